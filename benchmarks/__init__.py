@@ -1,0 +1,1 @@
+"""Benchmarks of tfdist_ext: ``python -m benchmarks.run NAME [--quick]``."""

@@ -1,0 +1,125 @@
+"""Shared machinery of the benchmarks (internal).
+
+A benchmark module exposes ``run(quick: bool, seed: int) -> dict`` returning
+``{"candidate": str, "peer": str, "figures": [...], "table": {...},
+"notes": [...]}``. Each figure is a dict with at least ``case``, ``system``,
+``metric``, ``unit`` and ``median`` (and ``repeats`` when measured more than
+once). The runner adds machine information and versions and writes
+``benchmarks/results/NAME.json``.
+"""
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def interleaved(systems, repeats, warmup=1):
+    """Measures several systems round-robin and returns their samples.
+
+    ``systems`` maps a name to a zero-argument callable returning one sample
+    (a number). Each round calls every system once, in a rotating order, so
+    that drift in machine load hits all of them alike. ``warmup`` rounds are
+    run first and discarded.
+
+    Returns ``{name: [sample, ...]}``.
+    """
+    names = list(systems)
+    for _ in range(warmup):
+        for name in names:
+            systems[name]()
+    samples = {name: [] for name in names}
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        for name in order:
+            samples[name].append(float(systems[name]()))
+    return samples
+
+
+def median(values):
+    return float(statistics.median(values))
+
+
+def figure(case, system, metric, unit, samples, **extra):
+    """One figure: the median of ``samples`` with its unit and the raw samples."""
+    samples = list(samples) if isinstance(samples, (list, tuple)) else [samples]
+    out = {
+        "case": case, "system": system, "metric": metric, "unit": unit,
+        "median": median(samples), "repeats": samples,
+    }
+    out.update(extra)
+    return out
+
+
+def machine_info():
+    info = {
+        "platform": platform.platform(),
+        "python": sys.version.split()[0],
+        "cpu_count": os.cpu_count(),
+        "processor": platform.processor(),
+    }
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["processor"] = line.split(":", 1)[1].strip()
+                    break
+        with open("/proc/meminfo") as f:
+            info["memory_kib"] = int(f.readline().split()[1])
+    except OSError:
+        pass
+    return info
+
+
+def versions():
+    out = {}
+    for module in ("tensorflow", "keras", "numpy", "scipy", "sklearn"):
+        try:
+            out[module] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - a missing optional module is fine
+            pass
+    return out
+
+
+def format_table(table):
+    columns = table["columns"]
+    rows = [[_fmt(v) for v in row] for row in table["rows"]]
+    widths = [max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(str(c))
+              for i, c in enumerate(columns)]
+    line = "| " + " | ".join(str(c).ljust(w) for c, w in zip(columns, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    body = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]
+    return "\n".join([line, sep, *body])
+
+
+def _fmt(value):
+    if isinstance(value, float):
+        if value == 0 or 0.01 <= abs(value) < 1e5:
+            return f"{value:.3g}" if abs(value) < 10 else f"{value:,.1f}"
+        return f"{value:.3e}"
+    return str(value)
+
+
+def write_result(name, result, *, quick, seed, elapsed):
+    os.makedirs(RESULTS_DIR, exist_ok=True)
+    document = {
+        "benchmark": name,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "quick": quick,
+        "seed": seed,
+        "elapsed_seconds": round(elapsed, 1),
+        "machine": machine_info(),
+        "versions": versions(),
+        "command": f"python -m benchmarks.run {name}" + (" --quick" if quick else ""),
+        **result,
+    }
+    suffix = ".quick" if quick else ""
+    path = os.path.join(RESULTS_DIR, f"{name}{suffix}.json")
+    with open(path, "w") as f:
+        json.dump(document, f, indent=2)
+        f.write("\n")
+    return path

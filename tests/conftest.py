@@ -1,0 +1,61 @@
+"""Shared test set-up.
+
+TensorFlow's logical device split is fixed once per process, so the suite
+splits the CPU into 4 logical devices before any test touches TensorFlow;
+tests that need k <= 4 devices take ``cpu_devices[:k]``. Tests that need a
+cluster or a fresh TensorFlow runtime run their body in a subprocess (see
+``run_script``), always with a deadline.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+NUM_LOGICAL_CPUS = 4
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session")
+def cpu_devices():
+    """Names of the 4 logical CPU devices of this test process."""
+    from tfdist_ext.cluster import logical_cpus
+
+    return logical_cpus(NUM_LOGICAL_CPUS)
+
+
+def run_script(source, *, timeout=240, env=None, expect_ok=True):
+    """Runs Python ``source`` in a fresh interpreter with a deadline.
+
+    Returns the ``CompletedProcess`` (text stdout/stderr). A script that runs
+    past ``timeout`` is killed and the test fails with its output so far.
+    """
+    full_env = dict(os.environ)
+    full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    full_env.update(env or {})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(source)],
+            capture_output=True, text=True, timeout=timeout, env=full_env,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(
+            f"script did not finish within {timeout}s\nstdout:\n{e.stdout}\n"
+            f"stderr:\n{e.stderr}"
+        )
+    if expect_ok and proc.returncode != 0:
+        pytest.fail(
+            f"script exited with {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\n"
+            f"stderr:\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
+@pytest.fixture
+def script():
+    """The ``run_script`` helper as a fixture."""
+    return run_script

@@ -1,0 +1,38 @@
+"""The ``tfdist-ext`` command line.
+
+* ``tfdist-ext server`` runs the task that ``TF_CONFIG`` describes (see
+  :mod:`tfdist_ext.server`).
+* ``tfdist-ext demo`` runs the main job (see :mod:`tfdist_ext._demo`).
+
+Example::
+
+    TF_CONFIG='{"cluster": {"worker": ["127.0.0.1:2222"]}, "task": {"type": "worker", "index": 0}}' \\
+        tfdist-ext server
+    tfdist-ext demo --epochs 5
+"""
+
+import sys
+
+USAGE = "usage: tfdist-ext {server,demo} [options]   (tfdist-ext COMMAND --help)"
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "server":
+        from tfdist_ext import server
+
+        return server.main(rest)
+    if command == "demo":
+        from tfdist_ext import _demo
+
+        return _demo.main(rest)
+    print(f"tfdist-ext: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

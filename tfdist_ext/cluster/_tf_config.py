@@ -1,0 +1,109 @@
+"""Parsing and validation of ``TF_CONFIG`` (internal).
+
+``TF_CONFIG`` is the JSON document TensorFlow documents for multi-process
+training::
+
+    {"cluster": {"chief": ["host:port"], "worker": [...], "ps": [...]},
+     "task": {"type": "worker", "index": 0}}
+
+Every problem is reported as a :class:`TFConfigError` whose message names the
+offending field, so that the ``tfdist-ext server`` command can print one line
+and exit with status 2.
+"""
+
+import json
+import os
+
+KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
+
+
+class TFConfigError(ValueError):
+    """A malformed ``TF_CONFIG``; the message names the offending field."""
+
+
+def _check_address(job, index, address):
+    field = f"cluster.{job}[{index}]"
+    if not isinstance(address, str) or address.count(":") != 1:
+        raise TFConfigError(
+            f"TF_CONFIG field {field}: expected 'host:port', got {address!r}"
+        )
+    host, port = address.split(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise TFConfigError(
+            f"TF_CONFIG field {field}: expected 'host:port' with a port in "
+            f"1..65535, got {address!r}"
+        )
+
+
+def parse_tf_config(text=None, *, require_jobs=()):
+    """Parses and validates a ``TF_CONFIG`` JSON string.
+
+    Args:
+      text: the JSON text; defaults to the ``TF_CONFIG`` environment variable.
+      require_jobs: job names that must be present and non-empty (for example
+        ``("ps", "worker")`` for a parameter-server strategy).
+
+    Returns:
+      ``(cluster, task_type, task_index)`` where ``cluster`` maps job name to a
+      list of addresses.
+
+    Raises:
+      TFConfigError: naming the field that is wrong.
+    """
+    if text is None:
+        text = os.environ.get("TF_CONFIG")
+        if text is None:
+            raise TFConfigError("TF_CONFIG is not set")
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TFConfigError(f"TF_CONFIG is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise TFConfigError("TF_CONFIG must be a JSON object")
+    cluster = config.get("cluster")
+    if not isinstance(cluster, dict) or not cluster:
+        raise TFConfigError(
+            "TF_CONFIG field cluster: expected a non-empty object mapping "
+            "job names to address lists"
+        )
+    for job, addresses in cluster.items():
+        if job not in KNOWN_JOBS:
+            raise TFConfigError(
+                f"TF_CONFIG field cluster.{job}: unknown job {job!r} "
+                f"(expected one of {', '.join(KNOWN_JOBS)})"
+            )
+        if not isinstance(addresses, list) or not addresses:
+            raise TFConfigError(
+                f"TF_CONFIG field cluster.{job}: expected a non-empty list "
+                "of 'host:port' addresses"
+            )
+        for i, address in enumerate(addresses):
+            _check_address(job, i, address)
+    for job in require_jobs:
+        if job not in cluster:
+            raise TFConfigError(
+                f"TF_CONFIG field cluster.{job}: missing; this strategy "
+                f"needs a {job!r} job"
+            )
+    task = config.get("task")
+    if not isinstance(task, dict):
+        raise TFConfigError(
+            "TF_CONFIG field task: expected an object with 'type' and 'index'"
+        )
+    task_type = task.get("type")
+    if task_type not in cluster:
+        raise TFConfigError(
+            f"TF_CONFIG field task.type: {task_type!r} is not a job of the "
+            f"cluster (jobs: {', '.join(sorted(cluster))})"
+        )
+    index = task.get("index", 0)
+    if isinstance(index, bool) or not isinstance(index, int):
+        raise TFConfigError(
+            f"TF_CONFIG field task.index: expected an integer, got {index!r}"
+        )
+    if not 0 <= index < len(cluster[task_type]):
+        raise TFConfigError(
+            f"TF_CONFIG field task.index: {index} is out of range for job "
+            f"{task_type!r} with {len(cluster[task_type])} task(s)"
+        )
+    return cluster, task_type, index
