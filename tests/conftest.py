@@ -19,12 +19,16 @@ NUM_LOGICAL_CPUS = 4
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def pytest_configure(config):
+    from tfdist_ext.cluster import logical_cpus
+
+    logical_cpus(NUM_LOGICAL_CPUS)
+
+
 @pytest.fixture(scope="session")
 def cpu_devices():
     """Names of the 4 logical CPU devices of this test process."""
-    from tfdist_ext.cluster import logical_cpus
-
-    return logical_cpus(NUM_LOGICAL_CPUS)
+    return [f"/device:CPU:{i}" for i in range(NUM_LOGICAL_CPUS)]
 
 
 def run_script(source, *, timeout=240, env=None, expect_ok=True):
