@@ -1,0 +1,86 @@
+"""Gradient compression whose compressed form is what crosses devices and processes.
+
+A compressor is an optax-like pair of pure functions around a small state,
+usable inside ``tf.function`` (a strategy, or a Downpour worker pushing to
+parameter servers)::
+
+    state = c.init(shape, dtype=tf.float32)       # dict nest of tensors
+    wire, state = c.compress(grad, state, step)   # wire: dict of int32/float32 tensors
+    grad = c.decompress(wire, shape, dtype)       # receiver side
+    total = c.aggregate([wire_a, wire_b], shape)  # sum over senders (majority vote for SignSGD)
+    c.wire_bytes(wire)                            # int64 tensor: bytes that travel
+
+Error feedback is a wrapper: ``ErrorFeedback(TopK(0.01))``. Wire forms are
+packed into ``int32``/``float32`` tensors only (bit planes 32 per word, half
+floats 2 per word), the dtypes every collective supports.
+
+Example:
+  >>> import tfdist_ext
+  >>> from tfdist_ext import compression
+  >>> strategy = tfdist_ext.CompressedMirroredStrategy(   # doctest: +SKIP
+  ...     devices=["/cpu:0", "/cpu:1"],
+  ...     compression=compression.DGC(sparsity=0.999, steps_per_epoch=50))
+"""
+
+from tfdist_ext.compression._base import Compressor
+from tfdist_ext.compression._base import ErrorFeedback
+from tfdist_ext.compression._compressors import BF16
+from tfdist_ext.compression._compressors import DGC
+from tfdist_ext.compression._compressors import EFSignSGD
+from tfdist_ext.compression._compressors import FP16
+from tfdist_ext.compression._compressors import NoCompression
+from tfdist_ext.compression._compressors import OneBit
+from tfdist_ext.compression._compressors import PowerSGD
+from tfdist_ext.compression._compressors import QSGD
+from tfdist_ext.compression._compressors import RandomK
+from tfdist_ext.compression._compressors import ScaledSign
+from tfdist_ext.compression._compressors import SignSGD
+from tfdist_ext.compression._compressors import TernGrad
+from tfdist_ext.compression._compressors import Threshold
+from tfdist_ext.compression._compressors import TopK
+from tfdist_ext.compression._strategy import CompressedMirroredStrategy
+from tfdist_ext.compression._strategy import CompressedMultiWorkerMirroredStrategy
+from tfdist_ext.compression._strategy import CompressionState
+
+_NAMES = {
+    "none": NoCompression, "fp16": FP16, "bf16": BF16, "topk": TopK,
+    "randomk": RandomK, "threshold": Threshold, "dgc": DGC, "qsgd": QSGD,
+    "terngrad": TernGrad, "onebit": OneBit, "signsgd": SignSGD,
+    "efsignsgd": EFSignSGD, "powersgd": PowerSGD,
+}
+
+
+def get(identifier, **kwargs):
+    """A compressor from a name (``"fp16"``, ``"topk"``, ...), a config dict, or itself.
+
+    Keyword arguments go to the constructor. ``"ef_<name>"`` wraps the named
+    compressor in :class:`ErrorFeedback`.
+
+    Example:
+      >>> get("topk", ratio=0.01)
+      TopK(ratio=0.01)
+      >>> get("ef_randomk", ratio=0.05)
+      ErrorFeedback(RandomK(ratio=0.05, seed=0))
+    """
+    if isinstance(identifier, Compressor):
+        return identifier
+    if isinstance(identifier, dict):
+        import keras
+        return keras.saving.deserialize_keras_object(identifier)
+    if isinstance(identifier, str):
+        key = identifier.lower()
+        if key.startswith("ef_") and key[3:] in _NAMES:
+            return ErrorFeedback(_NAMES[key[3:]](**kwargs))
+        if key in _NAMES:
+            return _NAMES[key](**kwargs)
+    raise ValueError(
+        f"compression.get: unknown compressor {identifier!r}; expected a Compressor, "
+        f"a config dict or one of {sorted(_NAMES)} (optionally prefixed 'ef_')")
+
+
+__all__ = [
+    "BF16", "CompressedMirroredStrategy", "CompressedMultiWorkerMirroredStrategy",
+    "CompressionState", "Compressor", "DGC", "EFSignSGD", "ErrorFeedback", "FP16",
+    "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD",
+    "TernGrad", "Threshold", "TopK", "get",
+]
