@@ -1,0 +1,108 @@
+"""A ``Dense`` layer whose kernel is split column-wise across devices (internal)."""
+
+import keras
+
+
+@keras.saving.register_keras_serializable(package="tfdist_ext")
+class ColumnParallelDense(keras.layers.Layer):
+    """``Dense`` with its kernel (and bias) split column-wise into shards.
+
+    Shard ``i`` holds output units ``[start_i, end_i)``; its variables and its
+    matmul live on ``devices[i]`` (by default the strategy's devices, taken in
+    order from the layer's own stage); only the input (broadcast) and the
+    shard outputs (concatenated) cross devices. Numerically it equals a
+    ``Dense`` whose kernel is the shards concatenated along columns. Use it for
+    a layer too big for one device.
+
+    Args:
+      units: output units (>= num_shards).
+      num_shards: number of column shards (>= 1).
+      activation, use_bias, kernel_initializer, bias_initializer: as ``Dense``.
+      devices: optional explicit device per shard; if ``None`` the planner
+        assigns them (round-robin over the plan's devices).
+
+    Example:
+      >>> with strategy.scope():                          # doctest: +SKIP
+      ...     model = keras.Sequential([keras.Input((784,)),
+      ...         ColumnParallelDense(4096, num_shards=2, activation="relu"),
+      ...         keras.layers.Dense(10)])
+    """
+
+    def __init__(self, units, num_shards=2, activation=None, use_bias=True,
+                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
+                 devices=None, **kwargs):
+        super().__init__(**kwargs)
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise ValueError(f"ColumnParallelDense: units must be a positive int, got {units!r}")
+        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= units:
+            raise ValueError(
+                f"ColumnParallelDense: num_shards must be an int in [1, units={units}], "
+                f"got {num_shards!r}")
+        if devices is not None and len(devices) != num_shards:
+            raise ValueError(
+                f"ColumnParallelDense: {len(devices)} devices given for {num_shards} shards")
+        self.units = units
+        self.num_shards = num_shards
+        self.activation = keras.activations.get(activation)
+        self.use_bias = use_bias
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.bias_initializer = keras.initializers.get(bias_initializer)
+        self.devices = list(devices) if devices is not None else None
+        self._shard_placement = None  # set by apply_plan
+        sizes = [units // num_shards + (1 if i < units % num_shards else 0)
+                 for i in range(num_shards)]
+        self.shard_sizes = sizes
+
+    def build(self, input_shape):
+        in_dim = int(input_shape[-1])
+        self.kernels, self.biases = [], []
+        for i, size in enumerate(self.shard_sizes):
+            self.kernels.append(self.add_weight(
+                name=f"kernel_shard_{i}", shape=(in_dim, size),
+                initializer=self.kernel_initializer))
+            if self.use_bias:
+                self.biases.append(self.add_weight(
+                    name=f"bias_shard_{i}", shape=(size,),
+                    initializer=self.bias_initializer))
+
+    def shard_variables(self):
+        """``[[kernel_i, bias_i], ...]``: the variables of each shard."""
+        if self.use_bias:
+            return [[k, b] for k, b in zip(self.kernels, self.biases)]
+        return [[k] for k in self.kernels]
+
+    def resolved_shard_devices(self, plan_devices):
+        """The device of each shard given the plan's devices."""
+        if self.devices is not None:
+            return list(self.devices)
+        return [plan_devices[i % len(plan_devices)] for i in range(self.num_shards)]
+
+    def call(self, inputs):
+        import tensorflow as tf
+
+        devices = self._shard_placement or [None] * self.num_shards
+        outs = []
+        for i, device in enumerate(devices):
+            with tf.device(device):
+                y = keras.ops.matmul(inputs, self.kernels[i])
+                if self.use_bias:
+                    y = y + self.biases[i]
+                outs.append(y)
+        y = keras.ops.concatenate(outs, axis=-1)
+        return self.activation(y) if self.activation is not None else y
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "units": self.units,
+            "num_shards": self.num_shards,
+            "activation": keras.activations.serialize(self.activation),
+            "use_bias": self.use_bias,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+            "devices": self.devices,
+        })
+        return config

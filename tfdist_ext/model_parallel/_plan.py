@@ -1,0 +1,408 @@
+"""Partition plans: which contiguous block of layers lives on which device (internal).
+
+A plan is made over the *top-level* layers of a Keras model in call order
+(nested models count as one unit). Costs are estimated statically from the
+built model, without running it:
+
+* parameter bytes -- exact (``sum(v.size * dtype bytes)`` of the layer's
+  variables); this is what must fit into a device's memory, so ``"balanced"``
+  minimises the largest per-device parameter bytes by default;
+* forward FLOPs per example -- an analytical estimate (``2*in*out`` for
+  ``Dense``, ``2*kh*kw*cin*cout*out_pixels`` for convolutions, one FLOP per
+  output element for parameter-free layers); ``balance_by="flops"`` balances
+  these instead, which is what matters for pipelined step time;
+* activation bytes per example of each layer's output -- what crosses a stage
+  boundary if the boundary is placed after that layer.
+
+A static estimate is used rather than a profiling pass because it is
+deterministic (the same plan on every run, for save/load and for tests) and
+needs no data; parameter bytes are exact anyway.
+"""
+
+import dataclasses
+import math
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCost:
+    """Static cost of one top-level layer."""
+
+    name: str
+    param_bytes: int
+    flops: int
+    activation_bytes: int
+    shard_bytes: tuple = ()  # per-shard bytes for a column-split layer
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One device's share of a plan."""
+
+    device: str
+    layers: tuple
+    param_bytes: int
+    flops: int
+    boundary_bytes: int  # activation bytes per example sent to the next stage
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A partition of a model's layers into contiguous stages, one per device.
+
+    ``stages`` lists, per device, its layers, parameter bytes, estimated
+    forward FLOPs per example and the activation bytes per example it sends to
+    the next stage. Column-split layers (:class:`ColumnParallelDense`) appear in
+    one stage (where their input and concatenated output live) and add their
+    shards' bytes to ``device_param_bytes`` of the devices holding the shards.
+
+    Example:
+      >>> plan = plan_partition(model, ["/device:CPU:0", "/device:CPU:1"])  # doctest: +SKIP
+      >>> plan.device_of("dense_1")                                        # doctest: +SKIP
+      '/device:CPU:1'
+      >>> print(plan)                                                      # doctest: +SKIP
+    """
+
+    stages: tuple
+    devices: tuple
+    partition: str
+    balance_by: str
+    shard_devices: dict = dataclasses.field(default_factory=dict)
+    shard_bytes: dict = dataclasses.field(default_factory=dict)
+
+    def device_of(self, layer_name):
+        """The device of the stage holding ``layer_name`` (a top-level layer)."""
+        for stage in self.stages:
+            if layer_name in stage.layers:
+                return stage.device
+        raise KeyError(f"layer {layer_name!r} is not in this plan")
+
+    @property
+    def layer_devices(self):
+        """``{layer name: device}`` for every planned layer."""
+        return {name: s.device for s in self.stages for name in s.layers}
+
+    @property
+    def device_param_bytes(self):
+        """``{device: parameter bytes}`` including the shards of split layers."""
+        out = {d: 0 for d in self.devices}
+        for stage in self.stages:
+            out[stage.device] += stage.param_bytes
+        for name, devices in self.shard_devices.items():
+            for device, nbytes in zip(devices, self.shard_bytes[name]):
+                out[device] += nbytes
+        return out
+
+    @property
+    def total_param_bytes(self):
+        return sum(self.device_param_bytes.values())
+
+    @property
+    def max_fraction(self):
+        """Largest per-device parameter bytes / total parameter bytes."""
+        total = self.total_param_bytes
+        return max(self.device_param_bytes.values()) / total if total else 0.0
+
+    def to_dict(self):
+        """A JSON-friendly description of the plan."""
+        per_device = self.device_param_bytes
+        return {
+            "partition": self.partition,
+            "balance_by": self.balance_by,
+            "stages": [
+                {"device": s.device, "layers": list(s.layers),
+                 "param_bytes": per_device[s.device], "flops": s.flops,
+                 "boundary_bytes": s.boundary_bytes}
+                for s in self.stages
+            ],
+            "shards": {k: list(v) for k, v in self.shard_devices.items()},
+        }
+
+    def __str__(self):
+        per_device = self.device_param_bytes
+        lines = [f"Plan ({self.partition}, balanced by {self.balance_by}):"]
+        for s in self.stages:
+            lines.append(
+                f"  {s.device}: {len(s.layers)} layer(s) {list(s.layers)}, "
+                f"{per_device[s.device]:,} parameter bytes, "
+                f"{s.flops:,} FLOPs/example, sends {s.boundary_bytes:,} B/example"
+            )
+        for name, devices in self.shard_devices.items():
+            lines.append(f"  {name}: column shards on {list(devices)}")
+        return "\n".join(lines)
+
+
+def _dtype_bytes(dtype):
+    return np.dtype(str(dtype)).itemsize
+
+
+def _shape_elems(shape):
+    dims = [d for d in tuple(shape)[1:]]
+    if any(d is None for d in dims):
+        return 0
+    return int(math.prod(dims)) if dims else 1
+
+
+def _output_shape(layer):
+    try:
+        return tuple(layer.output.shape)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _input_shape(layer):
+    try:
+        return tuple(layer.input.shape)
+    except (AttributeError, ValueError):
+        return None
+
+
+def _flops(layer, in_shape, out_shape):
+    import keras
+
+    out_elems = _shape_elems(out_shape) if out_shape else 0
+    if isinstance(layer, keras.layers.Dense) or type(layer).__name__ == "ColumnParallelDense":
+        in_dim = in_shape[-1] if in_shape else 0
+        return 2 * int(in_dim or 0) * out_elems
+    if isinstance(layer, keras.layers.Conv1D | keras.layers.Conv2D | keras.layers.Conv3D):
+        kernel = layer.kernel.shape  # (*k, cin/groups, filters)
+        per_out = 2 * int(math.prod(kernel[:-1]))
+        return per_out * out_elems
+    if isinstance(layer, keras.Model):
+        return sum(_flops(sub, _input_shape(sub), _output_shape(sub)) for sub in layer.layers)
+    if layer.weights:
+        return 2 * sum(int(np.prod(v.shape)) for v in layer.weights) + out_elems
+    return out_elems
+
+
+def layer_costs(model_or_layers):
+    """Static per-layer costs (:class:`LayerCost`) of a built model, in call order.
+
+    Example:
+      >>> costs = layer_costs(model)  # doctest: +SKIP
+      >>> [c.param_bytes for c in costs]  # doctest: +SKIP
+    """
+    layers = top_level_layers(model_or_layers)
+    costs = []
+    for layer in layers:
+        shard_bytes = ()
+        if hasattr(layer, "shard_variables"):
+            shard_bytes = tuple(
+                sum(int(np.prod(v.shape)) * _dtype_bytes(v.dtype) for v in shard)
+                for shard in layer.shard_variables()
+            )
+        total = sum(int(np.prod(v.shape)) * _dtype_bytes(v.dtype) for v in layer.weights)
+        out_shape = _output_shape(layer)
+        act = _shape_elems(out_shape) * _dtype_bytes(layer.compute_dtype) if out_shape else 0
+        costs.append(LayerCost(
+            name=layer.name,
+            param_bytes=total - sum(shard_bytes),
+            flops=int(_flops(layer, _input_shape(layer), out_shape)),
+            activation_bytes=int(act),
+            shard_bytes=shard_bytes,
+        ))
+    return costs
+
+
+def top_level_layers(model_or_layers):
+    """The top-level layers of a model in call order (input layers dropped)."""
+    import keras
+
+    if isinstance(model_or_layers, keras.Model):
+        if not model_or_layers.built:
+            raise ValueError(
+                f"model {model_or_layers.name!r} is not built: give it an Input "
+                "(or call it once) before planning its partition"
+            )
+        layers = model_or_layers.layers
+    else:
+        layers = list(model_or_layers)
+    return [l for l in layers if not isinstance(l, keras.layers.InputLayer)]
+
+
+def _check_devices(devices):
+    if isinstance(devices, str) or not devices:
+        raise ValueError(f"devices must be a non-empty list of device names, got {devices!r}")
+    devices = [str(d) for d in devices]
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices must be distinct, got {devices}")
+    return devices
+
+
+def _balanced_bounds(costs, k, weight, tolerance):
+    """Contiguous split of ``costs`` into ``k`` non-empty stages.
+
+    First finds the smallest achievable bottleneck (largest stage weight) by
+    dynamic programming; then, among splits whose stages all stay within
+    ``bottleneck * (1 + tolerance)``, picks the one with the fewest activation
+    bytes crossing stage boundaries. Returns the k-1 cut positions.
+    """
+    n = len(costs)
+    w = [weight(c) for c in costs]
+    prefix = [0]
+    for x in w:
+        prefix.append(prefix[-1] + x)
+
+    def seg(i, j):
+        return prefix[j] - prefix[i]
+
+    inf = float("inf")
+    # best[s][j]: minimal bottleneck splitting the first j layers into s stages
+    best = [[inf] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0
+    for s in range(1, k + 1):
+        for j in range(s, n + 1):
+            best[s][j] = min(
+                max(best[s - 1][i], seg(i, j)) for i in range(s - 1, j)
+            )
+    limit = best[k][n] * (1 + tolerance) + 1e-9
+    # comm[s][j]: minimal boundary bytes with every stage <= limit
+    comm = [[inf] * (n + 1) for _ in range(k + 1)]
+    back = [[-1] * (n + 1) for _ in range(k + 1)]
+    comm[0][0] = 0
+    for s in range(1, k + 1):
+        for j in range(s, n + 1):
+            for i in range(s - 1, j):
+                if comm[s - 1][i] == inf or seg(i, j) > limit:
+                    continue
+                cost = comm[s - 1][i] + (costs[j - 1].activation_bytes if j < n else 0)
+                if cost < comm[s][j]:
+                    comm[s][j], back[s][j] = cost, i
+    cuts, j = [], n
+    for s in range(k, 0, -1):
+        i = back[s][j]
+        cuts.append(i)
+        j = i
+    return sorted(cuts)[1:]
+
+
+def plan_partition(model_or_layers, devices, partition="balanced", *,
+                   balance_by="params", device_budget_bytes=None, tolerance=0.0):
+    """Plans contiguous stages of a built Keras model over ``devices``.
+
+    This is the placement engine of :class:`ModelParallelStrategy`, usable on its
+    own (for example by a data-parallel strategy that places one replica across
+    the devices of one worker): make a plan, then :func:`apply_plan` it.
+
+    Args:
+      model_or_layers: a built ``keras.Model`` (its top-level layers in call
+        order are the units) or a list of built layers.
+      devices: device names, one stage each, in pipeline order.
+      partition: ``"balanced"`` or ``{layer name: device}``. In an explicit map,
+        parameter-free layers may be omitted (they follow the previous layer);
+        every layer with parameters must be named.
+      balance_by: ``"params"`` (largest per-device parameter bytes is
+        minimised; the default, as memory is why one partitions) or
+        ``"flops"`` (estimated forward FLOPs, for pipelined speed).
+      device_budget_bytes: optional parameter-byte capacity of each device;
+        a plan exceeding it raises ``ValueError``.
+      tolerance: stages may exceed the optimal bottleneck by this fraction if
+        that reduces the activation bytes crossing stage boundaries.
+
+    Returns:
+      A :class:`Plan`.
+
+    Raises:
+      ValueError: bad devices or partition; more stages than layers; a single
+        layer larger than ``device_budget_bytes`` (split it with
+        :class:`ColumnParallelDense`); a plan over budget.
+
+    Example:
+      >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
+      ...                           keras.layers.Dense(2)])          # doctest: +SKIP
+      >>> plan = plan_partition(model, ["/device:CPU:0", "/device:CPU:1"])  # doctest: +SKIP
+      >>> plan.layer_devices   # doctest: +SKIP
+      {'dense': '/device:CPU:0', 'dense_1': '/device:CPU:1'}
+    """
+    devices = _check_devices(devices)
+    if balance_by not in ("params", "flops"):
+        raise ValueError(f"balance_by must be 'params' or 'flops', got {balance_by!r}")
+    if tolerance < 0:
+        raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+    costs = layer_costs(model_or_layers)
+    layers = top_level_layers(model_or_layers)
+    if not costs:
+        raise ValueError("the model has no layers to partition")
+    shard_devices, shard_bytes = {}, {}
+    for layer, c in zip(layers, costs):
+        if c.shard_bytes:
+            shard_devices[c.name] = tuple(layer.resolved_shard_devices(devices))
+            shard_bytes[c.name] = c.shard_bytes
+    if device_budget_bytes is not None:
+        for c in costs:
+            biggest = max((c.param_bytes, *c.shard_bytes))
+            if biggest > device_budget_bytes:
+                raise ValueError(
+                    f"layer {c.name!r} needs {biggest:,} parameter bytes on one "
+                    f"device, more than the device budget of "
+                    f"{device_budget_bytes:,} bytes; split it column-wise with "
+                    "tfdist_ext.model_parallel.ColumnParallelDense(num_shards=...) "
+                    "or raise device_budget_bytes"
+                )
+    if partition == "balanced":
+        k = len(devices)
+        if k > len(costs):
+            raise ValueError(
+                f"cannot make {k} stages from {len(costs)} layer(s) "
+                f"({[c.name for c in costs]}): use at most {len(costs)} devices"
+            )
+        weight = (lambda c: c.param_bytes) if balance_by == "params" else (lambda c: c.flops)
+        cuts = [0, *_balanced_bounds(costs, k, weight, tolerance), len(costs)]
+        groups = [(devices[s], costs[cuts[s]:cuts[s + 1]]) for s in range(k)]
+        name = "balanced"
+    elif isinstance(partition, dict):
+        groups = _explicit_groups(costs, layers, devices, partition)
+        name = "explicit"
+    else:
+        raise ValueError(
+            f"partition must be 'balanced' or a dict {{layer name: device}}, got {partition!r}"
+        )
+    stages = tuple(
+        Stage(device=d, layers=tuple(c.name for c in group),
+              param_bytes=sum(c.param_bytes for c in group),
+              flops=sum(c.flops for c in group),
+              boundary_bytes=group[-1].activation_bytes if group and i < len(groups) - 1 else 0)
+        for i, (d, group) in enumerate(groups)
+    )
+    plan = Plan(stages=stages, devices=tuple(devices), partition=name,
+                balance_by=balance_by, shard_devices=shard_devices,
+                shard_bytes=shard_bytes)
+    if device_budget_bytes is not None:
+        for device, nbytes in plan.device_param_bytes.items():
+            if nbytes > device_budget_bytes:
+                raise ValueError(
+                    f"the {name} plan puts {nbytes:,} parameter bytes on {device}, "
+                    f"more than the device budget of {device_budget_bytes:,} bytes; "
+                    "add devices or split large layers with ColumnParallelDense"
+                )
+    return plan
+
+
+def _explicit_groups(costs, layers, devices, partition):
+    names = [c.name for c in costs]
+    unknown = sorted(set(partition) - set(names))
+    if unknown:
+        raise ValueError(f"partition names layers the model does not have: {unknown}; "
+                         f"its layers are {names}")
+    bad = sorted({str(d) for d in partition.values()} - set(devices))
+    if bad:
+        raise ValueError(f"partition uses devices {bad} that are not in devices={devices}")
+    missing = [c.name for c, l in zip(costs, layers) if l.weights and c.name not in partition]
+    if missing:
+        raise ValueError(f"partition does not place the layers with parameters {missing}")
+    groups, current = [], None
+    for c in costs:
+        device = str(partition.get(c.name, current or devices[0]))
+        if groups and groups[-1][0] == device:
+            groups[-1][1].append(c)
+        else:
+            groups.append((device, [c]))
+        current = device
+    seen = [g[0] for g in groups]
+    if len(set(seen)) != len(seen):
+        raise ValueError(
+            f"an explicit partition must give each device one contiguous block of "
+            f"layers; got the device sequence {seen}"
+        )
+    return groups

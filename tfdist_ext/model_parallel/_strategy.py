@@ -1,0 +1,286 @@
+"""``ModelParallelStrategy``: one replica, its layers spread over devices (internal).
+
+Built like ``tf.distribute.OneDeviceStrategy`` (one replica, so Keras'
+``fit``/``evaluate``/``predict`` and save/load work unchanged) with an
+extended object that overrides three hooks:
+
+* ``_create_variable`` (the strategy's variable creator, active inside
+  ``scope()``): a variable is created on the device of its layer when the
+  plan is already known (explicit partition), next to the variable it is a
+  slot of (``colocate_vars_with``, used by Keras optimizers), or on the first
+  device until the model is placed;
+* ``_update``: optimizer updates run on the updated variable's device;
+* ``Strategy.run``: when Keras hands over a model's ``train_step`` the step
+  runs as the micro-batch pipelined, stage-by-stage step of ``_pipeline``.
+
+A model is *placed* (plan made, variables moved, layer calls wrapped in
+``tf.device``) by :meth:`ModelParallelStrategy.place`, which the strategy calls
+by itself when Keras first hands it the model: Keras' ``fit``, ``evaluate``,
+``predict`` (and the ``*_on_batch`` methods) distribute their dataset with
+``experimental_distribute_dataset`` or enter ``scope()`` before building the
+optimizer and before tracing any step, and the strategy finds the calling
+model on the Python stack at that moment.
+"""
+
+import functools
+import sys
+
+import keras
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import one_device_strategy
+
+from tfdist_ext.model_parallel import _pipeline
+from tfdist_ext.model_parallel import _placement
+from tfdist_ext.model_parallel import _plan
+
+_KERAS_ENTRY_POINTS = frozenset({
+    "fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
+    "predict_on_batch", "_maybe_symbolic_build",
+})
+
+
+def _default_train_step():
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer.train_step
+
+
+def _check_devices(devices):
+    devices = _plan._check_devices(devices)
+    available = {d.name for d in tf.config.list_logical_devices()}
+    available_short = {"/device:" + n.split("/device:")[-1] for n in available}
+    resolved = []
+    for d in devices:
+        spec = tf.DeviceSpec.from_string(d)
+        short = f"/device:{spec.device_type or 'CPU'}:{spec.device_index or 0}"
+        if d not in available and short not in available_short:
+            raise ValueError(
+                f"device {d!r} does not exist; this process has {sorted(available_short)} "
+                "(split the CPU with tfdist_ext.cluster.logical_cpus(n) first)")
+        resolved.append(short)
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"devices must be distinct, got {devices}")
+    return resolved
+
+
+def _keras_model_on_stack():
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name in _KERAS_ENTRY_POINTS:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, keras.Model):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
+def _innermost_layers():
+    """Keras layers whose name scopes are open (outermost first)."""
+    from keras.src.backend.common import global_state
+
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    return [e.caller for e in stack if isinstance(e.caller, keras.layers.Layer)]
+
+
+class ModelParallelExtended(one_device_strategy.OneDeviceExtended):
+    """The ``tf.distribute.StrategyExtended`` of :class:`ModelParallelStrategy`."""
+
+    def __init__(self, container_strategy, devices, partition, microbatches,
+                 balance_by, device_budget_bytes):
+        super().__init__(container_strategy, devices[0])
+        self._devices = tuple(devices)
+        self._partition = partition
+        self._microbatches = microbatches
+        self._balance_by = balance_by
+        self._budget = device_budget_bytes
+        self._colocated = {}  # id(slot tf.Variable) -> reference tf.Variable
+        self._plans = {}  # id(model) -> Plan
+        self._placing = False
+
+    def _create_variable(self, next_creator, **kwargs):
+        colocate_with = kwargs.pop("colocate_with", None)
+        forced = _placement.current_forced_device()
+        if forced is not None:
+            with tf.device(forced):
+                return next_creator(**kwargs)
+        if colocate_with is not None and hasattr(colocate_with, "device"):
+            with tf.device(colocate_with.device):
+                variable = next_creator(**kwargs)
+            self._colocated[id(variable)] = colocate_with
+            return variable
+        device = self._devices[0]
+        if isinstance(self._partition, dict):
+            for layer in reversed(_innermost_layers()):
+                if layer.name in self._partition:
+                    device = str(self._partition[layer.name])
+                    break
+        with tf.device(device):
+            return next_creator(**kwargs)
+
+    def _update(self, var, fn, args, kwargs, group):
+        device = getattr(var, "device", None) or self._device
+        with tf.device(device), distribute_lib.UpdateContext(device):
+            result = fn(var, *args, **kwargs)
+            if group:
+                return result
+            return tf.nest.map_structure(self._local_results, result)
+
+    @property
+    def parameter_devices(self):
+        return self._devices
+
+    def non_slot_devices(self, var_list):
+        del var_list
+        return (self._devices[0],)
+
+    def _experimental_distribute_dataset(self, dataset, options):
+        self._container_strategy()._place_calling_model()
+        return super()._experimental_distribute_dataset(dataset, options)
+
+
+class ModelParallelStrategy(distribute_lib.Strategy):
+    """Model parallelism: one model's layers partitioned over several devices.
+
+    Under ``strategy.scope()`` build and compile a Keras model as usual. The
+    strategy partitions its top-level layers into contiguous stages, one per
+    device, places each layer's variables on its stage's device and wraps its
+    computation in ``tf.device``; only activations cross stage boundaries.
+    ``fit``, ``evaluate``, ``predict`` and save/load work as usual. With
+    ``microbatches > 1`` each training batch is split into micro-batches that
+    flow through the stages GPipe-style, so devices work at the same time; the
+    gradients equal the unpipelined step's.
+
+    Args:
+      devices: device names in pipeline order (e.g. ``logical_cpus(2)``).
+      partition: ``"balanced"`` (contiguous stages balancing ``balance_by``,
+        then fewest boundary activation bytes) or an explicit
+        ``{layer name: device}`` map (parameter-free layers may be omitted and
+        follow the previous layer).
+      microbatches: micro-batches per training step (>= 1). Pipelining needs a
+        chain model (``Sequential`` or a single-path functional model).
+      balance_by: ``"params"`` or ``"flops"`` (see :func:`plan_partition`).
+      device_budget_bytes: optional per-device parameter budget; a layer or
+        plan over it raises ``ValueError``.
+
+    Attributes:
+      plan: the :class:`Plan` of the most recently placed model (``None``
+        before one is placed).
+
+    Example:
+      >>> devices = tfdist_ext.cluster.logical_cpus(2)            # doctest: +SKIP
+      >>> strategy = ModelParallelStrategy(devices, microbatches=4)  # doctest: +SKIP
+      >>> with strategy.scope():                                  # doctest: +SKIP
+      ...     model = keras.Sequential([keras.Input((784,)),
+      ...         keras.layers.Dense(512, activation="relu"), keras.layers.Dense(10)])
+      ...     model.compile("sgd", "sparse_categorical_crossentropy")
+      >>> model.fit(x, y, batch_size=64)                          # doctest: +SKIP
+      >>> print(strategy.plan)                                    # doctest: +SKIP
+    """
+
+    def __init__(self, devices, partition="balanced", microbatches=1, *,
+                 balance_by="params", device_budget_bytes=None):
+        devices = _check_devices(devices)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        if balance_by not in ("params", "flops"):
+            raise ValueError(f"balance_by must be 'params' or 'flops', got {balance_by!r}")
+        if partition != "balanced":
+            if not isinstance(partition, dict) or not partition:
+                raise ValueError(
+                    "partition must be 'balanced' or a non-empty dict "
+                    f"{{layer name: device}}, got {partition!r}")
+            partition = {str(k): _check_devices([v])[0] for k, v in partition.items()}
+            outside = sorted(set(partition.values()) - set(devices))
+            if outside:
+                raise ValueError(f"partition uses devices {outside} not in devices={devices}")
+        if device_budget_bytes is not None and device_budget_bytes <= 0:
+            raise ValueError(f"device_budget_bytes must be positive, got {device_budget_bytes!r}")
+        super().__init__(ModelParallelExtended(
+            self, devices, partition, microbatches, balance_by, device_budget_bytes))
+        self.plan = None
+
+    @property
+    def devices(self):
+        """The strategy's devices, in pipeline order."""
+        return self.extended._devices
+
+    @property
+    def microbatches(self):
+        return self.extended._microbatches
+
+    def make_plan(self, model):
+        """The :class:`Plan` this strategy would use for a built ``model``.
+
+        Example:
+          >>> print(strategy.make_plan(model))  # doctest: +SKIP
+        """
+        ext = self.extended
+        devices = list(ext._devices)
+        if ext._partition == "balanced":
+            n = len(_plan.top_level_layers(model))
+            if len(devices) > n:
+                raise ValueError(
+                    f"cannot make {len(devices)} stages from the {n} layer(s) of model "
+                    f"{model.name!r}: use at most {n} devices")
+        return _plan.plan_partition(
+            model, devices, ext._partition, balance_by=ext._balance_by,
+            device_budget_bytes=ext._budget)
+
+    def place(self, model):
+        """Plans and places a built ``model``; returns it. Idempotent.
+
+        ``fit``/``evaluate``/``predict`` call this by themselves; call it
+        directly to see ``strategy.plan`` before training or before calling the
+        model on data outside those methods.
+
+        Example:
+          >>> with strategy.scope():
+          ...     model = build_model()          # doctest: +SKIP
+          >>> strategy.place(model)              # doctest: +SKIP
+          >>> print(strategy.plan)               # doctest: +SKIP
+        """
+        ext = self.extended
+        plan = ext._plans.get(id(model))
+        if plan is None:
+            plan = self.make_plan(model)
+            if ext._microbatches > 1 and _pipeline.chain_layers(model) is None:
+                raise ValueError(
+                    f"microbatches={ext._microbatches} needs a chain model (Sequential "
+                    f"or single-path functional); model {model.name!r} is not one")
+            ext._plans[id(model)] = plan
+        _placement.apply_plan(model, plan, colocated=ext._colocated)
+        self.plan = plan
+        return model
+
+    def _place_calling_model(self):
+        ext = self.extended
+        if ext._placing:
+            return
+        model = _keras_model_on_stack()
+        if model is None or not model.built or id(model) in ext._plans:
+            return
+        ext._placing = True
+        try:
+            self.place(model)
+        finally:
+            ext._placing = False
+
+    def scope(self):  # pylint: disable=useless-super-delegation
+        """The strategy's scope: variables created inside are placed by it."""
+        self._place_calling_model()
+        return super().scope()
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """As ``tf.distribute.Strategy.run``; a model's ``train_step`` is pipelined."""
+        model = getattr(fn, "__self__", None)
+        if (isinstance(model, keras.Model)
+                and getattr(fn, "__name__", "") == "train_step"
+                and getattr(type(model).train_step, "__code__", None)
+                is getattr(_default_train_step(), "__code__", 0)
+                and _pipeline.chain_layers(model) is not None):
+            if id(model) not in self.extended._plans:
+                self.place(model)
+            fn = functools.partial(_pipeline.pipelined_train_step, model,
+                                   self.extended._plans[id(model)], self.microbatches)
+        return super().run(fn, args, kwargs, options)
