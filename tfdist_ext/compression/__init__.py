@@ -78,8 +78,16 @@ def get(identifier, **kwargs):
         f"a config dict or one of {sorted(_NAMES)} (optionally prefixed 'ef_')")
 
 
+def __getattr__(name):
+    # Lazy: the callback lives in tfdist_ext.callbacks (another package).
+    if name == "CompressionLogger":
+        from tfdist_ext.callbacks._compression import CompressionLogger
+        return CompressionLogger
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
-    "BF16", "CompressedMirroredStrategy", "CompressedMultiWorkerMirroredStrategy",
+    "BF16", "CompressionLogger", "CompressedMirroredStrategy", "CompressedMultiWorkerMirroredStrategy",
     "CompressionState", "Compressor", "DGC", "EFSignSGD", "ErrorFeedback", "FP16",
     "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD",
     "TernGrad", "Threshold", "TopK", "get",

@@ -339,3 +339,35 @@ class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
         super().__init__(cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
         self._setup_compression(compression)
+        _reduce_nests(self.extended)
+
+    def reduce(self, reduce_op, value, axis):
+        # Keras 3 reduces scalar per-replica logs with ``axis=0`` under
+        # MultiWorkerMirroredStrategy, which TensorFlow rejects for rank-0
+        # values; a scalar has no batch axis, so reduce it across replicas only.
+        if axis is not None:
+            parts = getattr(value, "values", (value,))
+            if all(getattr(p, "shape", None) is not None and p.shape.rank == 0
+                   for p in parts):
+                axis = None
+        return super().reduce(reduce_op, value, axis)
+
+
+def _reduce_nests(extended):
+    """Lets ``CollectiveAllReduceExtended._reduce_to`` take a nest of values.
+
+    Keras 3's ``fit`` reduces the first input batch, an ``(x, y)`` tuple of
+    ``PerReplica``, with ``strategy.reduce("MEAN", ...)`` before building;
+    MirroredStrategy maps over the nest, the collective extended does not
+    (it tries to convert the tuple to one tensor and fails), so plain
+    ``MultiWorkerMirroredStrategy`` cannot ``fit`` in Keras 3. Map here too.
+    """
+    original = extended._reduce_to
+
+    def _reduce_to(reduce_op, value, destinations, options):
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(
+                lambda v: original(reduce_op, v, destinations, options), value)
+        return original(reduce_op, value, destinations, options)
+
+    extended._reduce_to = _reduce_to
