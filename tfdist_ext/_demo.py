@@ -14,7 +14,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="tfdist-ext demo")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.epochs = min(args.epochs, 3)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
     from tfdist_ext.cluster import LocalCluster

@@ -19,12 +19,9 @@ import sys
 import threading
 import time
 
+from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 from tfdist_ext.cluster._tf_config import TFConfigError
 from tfdist_ext.cluster._tf_config import parse_tf_config
-
-# Set by LocalCluster: the server exits when this process is gone, so that a
-# crashed or killed parent never leaves orphans behind.
-PARENT_PID_ENV = "TFDIST_EXT_PARENT_PID"
 
 
 def _watch_parent(parent_pid, interval=0.5):

@@ -7,6 +7,7 @@ Example:
   ...     strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
 """
 
+from tfdist_ext.cluster._connect import connect
 from tfdist_ext.cluster._devices import logical_cpus
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
@@ -21,6 +22,7 @@ __all__ = [
     "ClusterTimeoutError",
     "LocalCluster",
     "TFConfigError",
+    "connect",
     "free_port",
     "logical_cpus",
     "parse_tf_config",

@@ -15,7 +15,7 @@ import tempfile
 import time
 import weakref
 
-from tfdist_ext.server import PARENT_PID_ENV
+from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 
 HOST = "127.0.0.1"
 _PACKAGE_PARENT = os.path.dirname(
@@ -284,6 +284,7 @@ class LocalCluster:
         task_type = "chief" if "chief" in self._spec else None
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             self.cluster_spec,
+            master=self._spec["chief"][0] if task_type else "",
             task_type=task_type,
             task_id=0 if task_type else None,
             rpc_layer="grpc",

@@ -16,6 +16,10 @@ import os
 
 KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
 
+# Set by LocalCluster for its task processes: a task exits when this process
+# is gone, so that a crashed or killed parent never leaves orphans behind.
+PARENT_PID_ENV = "TFDIST_EXT_PARENT_PID"
+
 
 class TFConfigError(ValueError):
     """A malformed ``TF_CONFIG``; the message names the offending field."""

@@ -91,7 +91,7 @@ def layer_variables(layer):
     return list(layer.weights)
 
 
-def apply_plan(model, plan, *, colocated=None):
+def apply_plan(model, plan, *, place_variables=True, colocated=None):
     """Places ``model``'s variables and computation as ``plan`` says.
 
     Idempotent. Variables already on their device stay; others are moved
@@ -103,6 +103,9 @@ def apply_plan(model, plan, *, colocated=None):
     Args:
       model: the built Keras model the plan was made for.
       plan: a :class:`Plan` (from :func:`plan_partition`).
+      place_variables: if ``False`` only the computation is placed and the
+        variables stay where they are (for a strategy that keeps the variables
+        elsewhere, e.g. on parameter servers, and reads them in each step).
       colocated: optional ``{id(slot tf.Variable): reference tf.Variable}``
         recorded when slots were created (the strategy keeps it); without it
         optimizer slots are matched to variables by position.
@@ -133,13 +136,13 @@ def apply_plan(model, plan, *, colocated=None):
             for shard, shard_device in zip(layer.shard_variables(), shard_devices):
                 for v in shard:
                     shard_ids.add(id(v))
-                    old = _move(v, shard_device)
+                    old = _move(v, shard_device) if place_variables else None
                     if old is not None:
                         moved[id(old)] = v.value
         for v in layer_variables(layer):
             if id(v) in shard_ids:
                 continue
-            old = _move(v, device)
+            old = _move(v, device) if place_variables else None
             if old is not None:
                 moved[id(old)] = v.value
         _wrap_call(layer, device)

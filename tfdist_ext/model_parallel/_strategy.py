@@ -250,6 +250,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                     f"or single-path functional); model {model.name!r} is not one")
             ext._plans[id(model)] = plan
         _placement.apply_plan(model, plan, colocated=ext._colocated)
+        for variable in model.weights:
+            # The strategy now owns these variables (some may have been built
+            # outside its scope): Keras' optimizer may colocate slots with them.
+            variable.value._distribute_strategy = self
         self.plan = plan
         return model
 

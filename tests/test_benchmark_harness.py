@@ -1,0 +1,73 @@
+"""The benchmark harness: interleaving, figures, tables, result files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import _harness
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_interleaved_rotates_order_and_discards_warmup():
+    calls = []
+
+    def system(name):
+        def run():
+            calls.append(name)
+            return len(calls)
+        return run
+
+    samples = _harness.interleaved({"a": system("a"), "b": system("b")}, repeats=3, warmup=1)
+    assert calls == ["a", "b", "a", "b", "b", "a", "a", "b"]
+    assert samples == {"a": [3.0, 6.0, 7.0], "b": [4.0, 5.0, 8.0]}
+
+
+def test_figure_and_table():
+    fig = _harness.figure("mlp", "keras", "throughput", "examples/s", [3.0, 1.0, 2.0], steps=5)
+    assert fig["median"] == 2.0 and fig["unit"] == "examples/s" and fig["steps"] == 5
+    text = _harness.format_table({"columns": ["a", "b"], "rows": [["x", 1234.5678], ["y", 0.5]]})
+    lines = text.splitlines()
+    assert lines[0].startswith("| a") and "1,234.6" in text and "0.5" in text
+    assert len(lines) == 4
+
+
+def test_write_result_has_machine_versions_and_seed(tmp_path, monkeypatch):
+    monkeypatch.setattr(_harness, "RESULTS_DIR", str(tmp_path))
+    path = _harness.write_result("demo", {"candidate": "c", "peer": "p", "figures": [],
+                                          "table": {"columns": [], "rows": []}},
+                                 quick=True, seed=3, elapsed=1.0)
+    doc = json.load(open(path))
+    assert path.endswith("demo.quick.json")
+    assert doc["seed"] == 3 and doc["peer"] == "p" and doc["machine"]["cpu_count"] >= 1
+    assert "tensorflow" in doc["versions"] and "keras" in doc["versions"]
+
+
+def test_committed_scaling_result_is_from_a_real_run():
+    doc = json.load(open(os.path.join(REPO, "benchmarks", "results", "scaling.json")))
+    assert doc["quick"] is False and doc["peer"] and doc["candidate"]
+    systems = {(f["case"], f["system"]) for f in doc["figures"]}
+    assert systems == {("mlp", "keras"), ("mlp", "mirrored-2"), ("cnn", "keras"),
+                       ("cnn", "mirrored-2")}
+    assert all(f["unit"] == "examples/s" and f["median"] > 0 and len(f["repeats"]) >= 3
+               for f in doc["figures"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_scaling_benchmark_quick_run(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "scaling", "--quick"],
+                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mirrored / keras" in proc.stdout
+    doc = json.load(open(os.path.join(REPO, "benchmarks", "results", "scaling.quick.json")))
+    assert len(doc["figures"]) == 4
+
+
+def test_unknown_benchmark_is_rejected():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "nosuch"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

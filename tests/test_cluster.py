@@ -1,0 +1,196 @@
+"""LocalCluster: real task processes on 127.0.0.1, deadlines, faults, no orphans."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tfdist_ext.cluster import ClusterError
+from tfdist_ext.cluster import ClusterTimeoutError
+from tfdist_ext.cluster import LocalCluster
+from tfdist_ext.cluster import free_port
+from tfdist_ext.cluster import ping
+
+
+def _gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers kill(0); ask ps for its state.
+    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)],
+                         capture_output=True, text=True).stdout.strip()
+    return out == "" or out.startswith("Z")
+
+
+def _wait_gone(pids, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(_gone(p) for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.timeout(180)
+def test_start_ping_kill_restart_and_teardown():
+    with LocalCluster(num_workers=2, num_ps=1, start_timeout=120) as cluster:
+        spec = cluster.cluster_spec.as_dict()
+        assert set(spec) == {"chief", "worker", "ps"}
+        assert all(a.startswith("127.0.0.1:") for addrs in spec.values() for a in addrs)
+        assert len(set(a for addrs in spec.values() for a in addrs)) == 4
+        statuses = cluster.ping()
+        assert statuses == {
+            "worker:0": ["/job:worker/replica:0/task:0/device:CPU:0"],
+            "worker:1": ["/job:worker/replica:0/task:1/device:CPU:0"],
+            "ps:0": ["/job:ps/replica:0/task:0/device:CPU:0"],
+        }
+        resolver = cluster.resolver
+        assert resolver.task_type == "chief" and resolver.task_id == 0
+        assert resolver.cluster_spec().as_dict() == spec
+        pids = cluster.pids()
+        assert len(pids) == 3
+
+        victim = cluster.pid("worker", 1)
+        cluster.kill("worker", 1)
+        assert not cluster.alive("worker", 1)
+        assert _gone(victim)
+        start = time.monotonic()
+        with pytest.raises(ClusterTimeoutError, match="worker:1|127.0.0.1"):
+            ping(cluster.address("worker", 1), timeout=2.0)
+        assert time.monotonic() - start < 10
+        # The others are untouched.
+        assert ping(cluster.address("worker", 0))
+        cluster.restart("worker", 1)
+        assert cluster.alive("worker", 1)
+        assert cluster.pid("worker", 1) != victim
+        assert cluster.ping()["worker:1"] == ["/job:worker/replica:0/task:1/device:CPU:0"]
+        pids = cluster.pids()
+    assert _wait_gone(pids), "task processes left behind after exit"
+
+
+@pytest.mark.timeout(120)
+def test_teardown_when_body_raises():
+    with pytest.raises(RuntimeError, match="boom"):
+        with LocalCluster(num_workers=1, num_ps=1) as cluster:
+            pids = cluster.pids()
+            raise RuntimeError("boom")
+    assert _wait_gone(pids)
+
+
+@pytest.mark.timeout(120)
+def test_no_orphans_when_parent_is_killed():
+    # A parent process starts a cluster, prints the task pids and hangs; we
+    # SIGKILL it (no chance to clean up) and check with ps that no task is left.
+    source = textwrap.dedent("""
+        import time
+        from tfdist_ext.cluster import LocalCluster
+        cluster = LocalCluster(num_workers=2, num_ps=1).start()
+        print(" ".join(map(str, cluster.pids())), flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE,
+                              text=True, stdin=subprocess.DEVNULL)
+    try:
+        line = parent.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) == 3, line
+        assert not any(_gone(p) for p in pids)
+    finally:
+        parent.kill()
+        parent.wait(10)
+    assert _wait_gone(pids, timeout=15), "orphaned task processes survive their parent"
+    ps = subprocess.run(["ps", "-eo", "pid="], capture_output=True, text=True).stdout.split()
+    assert not set(map(str, pids)) & set(ps) or all(_gone(p) for p in pids)
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_task_fails_within_deadline():
+    address = f"127.0.0.1:{free_port()}"   # nothing listens here
+    start = time.monotonic()
+    with pytest.raises(ClusterTimeoutError, match=address):
+        ping(address, timeout=1.5)
+    assert time.monotonic() - start < 8
+
+
+@pytest.mark.timeout(60)
+def test_task_that_cannot_start_reports_its_output(monkeypatch):
+    from tfdist_ext.cluster import _local
+    real_popen = _local.subprocess.Popen
+
+    def broken_popen(cmd, **kw):
+        return real_popen([sys.executable, "-c", "import sys; sys.exit('injected failure')"], **kw)
+
+    monkeypatch.setattr(_local.subprocess, "Popen", broken_popen)
+    cluster = LocalCluster(num_workers=1, num_ps=0)
+    with pytest.raises(ClusterError, match="worker:0 exited with status 1(.|\\n)*injected failure"):
+        cluster.start()
+    assert not cluster.alive("worker", 0)
+
+
+@pytest.mark.timeout(60)
+def test_start_deadline_is_enforced(monkeypatch):
+    # A task that never becomes ready must fail the start within start_timeout.
+    from tfdist_ext.cluster import _local
+    real_popen = _local.subprocess.Popen
+
+    def silent_popen(cmd, **kw):
+        return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
+
+    monkeypatch.setattr(_local.subprocess, "Popen", silent_popen)
+    cluster = LocalCluster(num_workers=1, num_ps=0, start_timeout=2)
+    start = time.monotonic()
+    with pytest.raises(ClusterTimeoutError, match="worker:0 did not answer within 2s"):
+        cluster.start()
+    assert time.monotonic() - start < 10
+    assert _wait_gone(cluster.pids())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_workers": 0}, "num_workers"),
+    ({"num_ps": -1}, "num_ps"),
+    ({"num_workers": 1.5}, "num_workers"),
+    ({"inter_op_threads": 0}, "inter_op_threads"),
+    ({"start_timeout": 0}, "start_timeout"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalCluster(**kwargs)
+
+
+def test_unknown_task_is_a_clear_error():
+    cluster = LocalCluster(num_workers=1, num_ps=1)
+    with pytest.raises(ValueError, match="no task worker:3"):
+        cluster.kill("worker", 3)
+    with pytest.raises(ValueError, match="calling process"):
+        cluster.kill("chief", 0)
+    assert "chief" in cluster.tf_config("worker", 0)
+
+
+@pytest.mark.timeout(200)
+def test_talk_to_every_task_through_tensorflow(script):
+    # The chief connects with TensorFlow's own runtime, runs an op on every
+    # task, then a killed worker gives an error (not a hang) while the others
+    # keep answering.
+    proc = script("""
+        import tensorflow as tf
+        from tfdist_ext.cluster import LocalCluster
+        from tfdist_ext.cluster import connect
+        with LocalCluster(num_workers=2, num_ps=1) as cluster:
+            connect(cluster.resolver)
+            for job, n in (("worker", 2), ("ps", 1)):
+                for i in range(n):
+                    with tf.device(f"/job:{job}/replica:0/task:{i}/device:CPU:0"):
+                        x = tf.constant([1.0, 2.0]) * (i + 1)
+                    print(job, i, x.device, x.numpy().tolist(), flush=True)
+        print("DONE", flush=True)
+    """, timeout=180)
+    out = proc.stdout
+    assert "worker 0 /job:worker/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in out
+    assert "worker 1 /job:worker/replica:0/task:1/device:CPU:0 [2.0, 4.0]" in out
+    assert "ps 0 /job:ps/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in out
+    assert "DONE" in out

@@ -1,0 +1,415 @@
+"""ModelParallelStrategy: plans, real placement, pipelined gradients, Keras workflow."""
+
+import itertools
+import os
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tfdist_ext import datasets  # noqa: E402
+from tfdist_ext.model_parallel import ColumnParallelDense  # noqa: E402
+from tfdist_ext.model_parallel import ModelParallelStrategy  # noqa: E402
+from tfdist_ext.model_parallel import apply_plan  # noqa: E402
+from tfdist_ext.model_parallel import layer_costs  # noqa: E402
+from tfdist_ext.model_parallel import microbatch_gradients  # noqa: E402
+from tfdist_ext.model_parallel import placement_report  # noqa: E402
+from tfdist_ext.model_parallel import plan_partition  # noqa: E402
+from tfdist_ext.model_parallel._placement import same_device  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mlp(widths=(64, 48, 32, 16), inputs=20, classes=10, reg=None):
+    layers = [keras.Input((inputs,))]
+    for w in widths:
+        layers.append(keras.layers.Dense(w, activation="relu", kernel_regularizer=reg))
+    layers.append(keras.layers.Dense(classes))
+    return keras.Sequential(layers)
+
+
+def cnn():
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu", padding="same"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(32, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def digits(n=256, flatten=True):
+    x, y = datasets.digits("train", flatten=flatten, as_numpy=True)
+    if not flatten:
+        x = x[..., None]
+    return x[:n], y[:n]
+
+
+def built(strategy, make, **compile_kwargs):
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = make()
+        model.compile(optimizer=compile_kwargs.pop("optimizer", keras.optimizers.SGD(0.05)),
+                      loss=LOSS, **compile_kwargs)
+    return model
+
+
+def planned_device(plan, variable_path):
+    return plan.device_of(variable_path.split("/")[-2])
+
+
+# --- plans -------------------------------------------------------------------
+
+
+def brute_force_bottleneck(weights, k):
+    n = len(weights)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        bounds = [0, *cuts, n]
+        best = min(best, max(sum(weights[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return best
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_balanced_plan_is_contiguous_complete_and_optimal(cpu_devices, k):
+    model = mlp(widths=(64, 128, 32, 96, 16, 48))
+    plan = plan_partition(model, cpu_devices[:k])
+    names = [layer.name for layer in model.layers]
+    assert [n for s in plan.stages for n in s.layers] == names
+    assert [s.device for s in plan.stages] == cpu_devices[:k]
+    costs = layer_costs(model)
+    assert sum(c.param_bytes for c in costs) == plan.total_param_bytes == \
+        4 * model.count_params()
+    assert max(plan.device_param_bytes.values()) == \
+        brute_force_bottleneck([c.param_bytes for c in costs], k)
+
+
+def test_plan_reports_flops_and_boundary_bytes(cpu_devices):
+    model = mlp(widths=(64, 32), inputs=20)
+    plan = plan_partition(model, cpu_devices[:2], balance_by="flops")
+    flops = {c.name: c.flops for c in layer_costs(model)}
+    assert flops[model.layers[0].name] == 2 * 20 * 64
+    assert sum(s.flops for s in plan.stages) == sum(flops.values())
+    first = plan.stages[0]
+    assert first.boundary_bytes == 4 * model.get_layer(first.layers[-1]).output.shape[-1]
+    assert "parameter bytes" in str(plan) and plan.to_dict()["stages"][0]["layers"]
+
+
+def test_balanced_plan_cuts_at_the_smallest_activation(cpu_devices):
+    # Conv, pool, flatten: the pool/flatten have no parameters, so any cut
+    # among them keeps the same balance; the planner picks the smallest tensor.
+    model = keras.Sequential([
+        keras.Input((16, 16, 1)),
+        keras.layers.Conv2D(16, 3, padding="same"),
+        keras.layers.MaxPooling2D(4),
+        keras.layers.Flatten(),
+        keras.layers.Dense(8),
+    ])
+    plan = plan_partition(model, cpu_devices[:2])  # the Dense is the bottleneck
+    assert plan.stages[0].layers[-1] in (model.layers[1].name, model.layers[2].name)
+    assert plan.stages[0].boundary_bytes == 4 * 4 * 4 * 16
+
+
+# --- placement -----------------------------------------------------------------
+
+
+def test_fit_places_every_variable_on_its_planned_device(cpu_devices):
+    strategy = ModelParallelStrategy(cpu_devices[:4])
+    model = built(strategy, mlp, optimizer=keras.optimizers.SGD(0.05, momentum=0.9))
+    x, y = digits(flatten=True)
+    model2 = model  # the strategy finds the model when fit starts
+    x = x[:, :20]
+    history = model2.fit(x, y, batch_size=32, epochs=2, verbose=0)
+    assert np.isfinite(history.history["loss"]).all()
+    plan = strategy.plan
+    assert len({s.device for s in plan.stages}) == 4
+    for path, device in placement_report(model).items():
+        assert same_device(device, planned_device(plan, path)), path
+    by_id = {id(v.value): v for v in model.trainable_variables}
+    slots = [v for v in model.optimizer.variables if "momentum" in v.path]
+    assert len(slots) == len(by_id)
+    for slot, var in zip(slots, model.trainable_variables):
+        assert same_device(slot.value.device, var.value.device), slot.path
+
+
+def test_explicit_partition_places_variables_when_created(cpu_devices):
+    partition = {"a": cpu_devices[1], "b": cpu_devices[2], "c": cpu_devices[2]}
+    strategy = ModelParallelStrategy(cpu_devices[:3], partition=partition)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((6,)), keras.layers.Dense(5, name="a"),
+            keras.layers.Dropout(0.1, name="drop"),
+            keras.layers.Dense(4, name="b"), keras.layers.Dense(3, name="c"),
+        ])
+    for layer in model.layers:  # before any placement pass
+        for v in layer.weights:
+            assert same_device(v.value.device, partition[layer.name]), v.path
+    strategy.place(model)
+    assert strategy.plan.layer_devices == {"a": cpu_devices[1], "drop": cpu_devices[1],
+                                           "b": cpu_devices[2], "c": cpu_devices[2]}
+
+
+def _step_graph(strategy, model, batch_shape):
+    model.optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(x, y):
+        return strategy.run(model.train_step, args=((x, y),))
+
+    spec_x = tf.TensorSpec((None, *batch_shape), tf.float32)
+    return step.get_concrete_function(spec_x, tf.TensorSpec((None,), tf.int32)).graph
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_forward_backward_and_update_ops_run_on_planned_devices(cpu_devices, microbatches):
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=microbatches)
+    model = built(strategy, lambda: mlp(widths=(16, 16, 16)))
+    strategy.place(model)
+    graph = _step_graph(strategy, model, (20,))
+    ops = graph.get_operations()
+    unplaced_ok = {"Placeholder", "ReadVariableOp", "NoOp", "Identity", "Const"}
+    for op in ops:
+        if op.type not in unplaced_ok:
+            assert any(same_device(op.device, d) for d in cpu_devices[:2]), (op.name, op.type)
+    dense_per_device = {d: 0 for d in cpu_devices[:2]}
+    for stage in strategy.plan.stages:
+        dense_per_device[stage.device] += len(stage.layers)
+    for device, n_dense in dense_per_device.items():
+        matmuls = [op for op in ops if op.type == "MatMul" and same_device(op.device, device)]
+        # forward, d(input) and d(kernel) for every Dense layer and micro-batch
+        assert len(matmuls) == 3 * n_dense * microbatches, device
+        updates = [op for op in ops if op.type == "ResourceApplyGradientDescent"
+                   or (op.type == "AssignSubVariableOp" and same_device(op.device, device))]
+        assert len([u for u in updates if same_device(u.device, device)]) == 2 * n_dense
+
+
+def test_placer_log_shows_ops_executed_on_planned_devices(script):
+    proc = script("""
+        from tfdist_ext.cluster import logical_cpus
+        devices = logical_cpus(2)
+        import numpy as np, keras, tensorflow as tf
+        from tfdist_ext.model_parallel import ModelParallelStrategy
+        strategy = ModelParallelStrategy(devices, partition={"first": devices[0], "second": devices[1]})
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="first"),
+                                      keras.layers.Dense(2, name="second")])
+            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x = np.ones((8, 4), "float32"); y = np.zeros((8,), "int32")
+        tf.debugging.set_log_device_placement(True)
+        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+        print("done")
+    """, timeout=120)
+    lines = (proc.stdout + proc.stderr).splitlines()
+    placed = [l for l in lines if "MatMul" in l and "device:CPU" in l]
+    assert placed, proc.stderr[-3000:]
+    first = [l for l in placed if "first/" in l.split(":")[0] or l.startswith("first")]
+    second = [l for l in placed if l.split(":")[0].startswith("second")]
+    assert first and all(l.rstrip().endswith("device:CPU:0") for l in first), first
+    assert second and all(l.rstrip().endswith("device:CPU:1") for l in second), second
+
+
+# --- numerics ----------------------------------------------------------------
+
+
+def reference_loss_and_grads(model, x, y):
+    keras.utils.set_random_seed(0)
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    clone.compile(optimizer="sgd", loss=LOSS)
+    with tf.device("/device:CPU:0"):
+        with tf.GradientTape() as tape:
+            pred = clone(x, training=True)
+            loss = clone._compute_loss(x=x, y=y, y_pred=pred, training=True)
+        grads = tape.gradient(loss, clone.trainable_variables)
+    return float(loss), [g.numpy() for g in grads]
+
+
+@pytest.mark.parametrize("make,flatten,microbatches,n", [
+    (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 1, 64),
+    (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 64),
+    (lambda: mlp(inputs=64), True, 4, 30),  # uneven micro-batches
+    (cnn, False, 4, 32),
+])
+def test_pipelined_loss_and_gradients_match_single_device(cpu_devices, make, flatten,
+                                                          microbatches, n):
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=microbatches)
+    model = built(strategy, make)
+    strategy.place(model)
+    x, y = digits(n, flatten=flatten)
+    fn = tf.function(lambda x, y: microbatch_gradients(model, strategy.plan, (x, y),
+                                                       microbatches))
+    loss, _, grads = fn(tf.constant(x), tf.constant(y))
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)
+
+
+def test_pipelined_training_follows_the_unpipelined_trajectory(cpu_devices):
+    x, y = digits(128)
+    weights = {}
+    for m in (1, 4):
+        strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=m)
+        model = built(strategy, lambda: mlp(inputs=64),
+                      optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        weights[m] = model.get_weights()
+    for a, b in zip(weights[1], weights[4]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+# --- Keras workflow -----------------------------------------------------------
+
+
+def test_fit_evaluate_predict_save_load(cpu_devices, tmp_path):
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=2)
+    model = built(strategy, cnn, metrics=["accuracy"])
+    x, y = digits(256, flatten=False)
+    model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    loss, acc = model.evaluate(x, y, verbose=0)
+    assert acc > 0.5
+    pred = model.predict(x[:16], verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    other = ModelParallelStrategy(cpu_devices[2:4])
+    with other.scope():
+        loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(x[:16], verbose=0), pred, rtol=1e-5, atol=1e-5)
+    assert loaded.evaluate(x, y, verbose=0)[0] == pytest.approx(loss, rel=1e-5)
+    for path_, device in placement_report(loaded).items():
+        assert same_device(device, planned_device(other.plan, path_)), path_
+    assert {s.device for s in other.plan.stages} == set(cpu_devices[2:4])
+    loaded.fit(x, y, batch_size=32, epochs=1, verbose=0)  # restored optimizer moved too
+
+
+def test_functional_non_chain_model_trains_unpipelined(cpu_devices):
+    inputs = keras.Input((64,))
+    a = keras.layers.Dense(32, activation="relu", name="a")(inputs)
+    b = keras.layers.Dense(32, activation="relu", name="b")(inputs)
+    out = keras.layers.Dense(10, name="out")(keras.layers.Concatenate(name="cat")([a, b]))
+    strategy = ModelParallelStrategy(cpu_devices[:2])
+    with strategy.scope():
+        model = keras.Model(inputs, out)
+        model.compile("adam", LOSS)
+    x, y = digits(64)
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    for path, device in placement_report(model).items():
+        assert same_device(device, planned_device(strategy.plan, path))
+    with pytest.raises(ValueError, match="chain"):
+        pipelined = ModelParallelStrategy(cpu_devices[:2], microbatches=2)
+        with pipelined.scope():
+            m2 = keras.Model(inputs, out)
+        pipelined.place(m2)
+
+
+def test_apply_plan_on_a_plain_keras_model(cpu_devices):
+    """The engine other strategies use: plan + apply on a model built anywhere."""
+    keras.utils.set_random_seed(0)
+    model = mlp(inputs=64)
+    plan = plan_partition(model, cpu_devices[1:3])
+    apply_plan(model, plan)
+    for path, device in placement_report(model).items():
+        assert same_device(device, planned_device(plan, path))
+
+    @tf.function
+    def forward(x):
+        return model(x)
+
+    graph = forward.get_concrete_function(tf.TensorSpec((None, 64))).graph
+    matmul_devices = [op.device for op in graph.get_operations() if op.type == "MatMul"]
+    assert len(matmul_devices) == len(model.layers)
+    for stage in plan.stages:
+        assert sum(same_device(d, stage.device) for d in matmul_devices) == len(stage.layers)
+    model.compile("sgd", LOSS)
+    x, y = digits(64)
+    model.fit(x, y, epochs=1, verbose=0)
+
+
+# --- column split ---------------------------------------------------------------
+
+
+def test_column_parallel_dense_matches_dense_and_places_shards(cpu_devices, tmp_path):
+    strategy = ModelParallelStrategy(cpu_devices[:3], partition="balanced")
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = keras.Sequential([
+            keras.Input((64,)),
+            ColumnParallelDense(96, num_shards=3, activation="relu", name="wide"),
+            keras.layers.Dense(10, name="head"),
+            keras.layers.Dense(10, name="head2"),
+        ])
+        model.compile("sgd", LOSS)
+    strategy.place(model)
+    wide = model.get_layer("wide")
+    for shard, device in zip(wide.shard_variables(), cpu_devices[:3]):
+        for v in shard:
+            assert same_device(v.value.device, device), v.path
+    assert strategy.plan.shard_devices["wide"] == tuple(cpu_devices[:3])
+    x, _ = digits(8)
+    kernel = np.concatenate([k.numpy() for k in wide.kernels], axis=1)
+    bias = np.concatenate([b.numpy() for b in wide.biases])
+    np.testing.assert_allclose(wide(x).numpy(), np.maximum(x @ kernel + bias, 0),
+                               rtol=1e-5, atol=1e-5)
+    graph = tf.function(wide).get_concrete_function(tf.TensorSpec((None, 64))).graph
+    devices = sorted(op.device[-5:] for op in graph.get_operations() if op.type == "MatMul")
+    assert devices == sorted(d[-5:] for d in cpu_devices[:3])
+    config = wide.get_config()
+    clone = ColumnParallelDense.from_config(config)
+    assert clone.units == 96 and clone.num_shards == 3
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
+                               rtol=1e-5, atol=1e-5)
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def test_construction_errors(cpu_devices):
+    with pytest.raises(ValueError, match="does not exist"):
+        ModelParallelStrategy(["/device:CPU:0", "/device:CPU:99"])
+    with pytest.raises(ValueError, match="distinct"):
+        ModelParallelStrategy([cpu_devices[0], cpu_devices[0]])
+    with pytest.raises(ValueError, match="non-empty list"):
+        ModelParallelStrategy([])
+    with pytest.raises(ValueError, match="microbatches"):
+        ModelParallelStrategy(cpu_devices[:2], microbatches=0)
+    with pytest.raises(ValueError, match="partition"):
+        ModelParallelStrategy(cpu_devices[:2], partition="random")
+    with pytest.raises(ValueError, match="not in devices"):
+        ModelParallelStrategy(cpu_devices[:2], partition={"a": cpu_devices[3]})
+    with pytest.raises(ValueError, match="balance_by"):
+        ModelParallelStrategy(cpu_devices[:2], balance_by="time")
+    with pytest.raises(ValueError, match="num_shards"):
+        ColumnParallelDense(4, num_shards=5)
+
+
+def test_planning_errors(cpu_devices):
+    model = mlp(widths=(8,))  # two layers
+    with pytest.raises(ValueError, match="cannot make 3 stages from the 2 layer"):
+        ModelParallelStrategy(cpu_devices[:3]).make_plan(model)
+    big = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256, name="big"),
+                            keras.layers.Dense(4)])
+    with pytest.raises(ValueError, match="'big' needs 263,168 parameter bytes.*ColumnParallelDense"):
+        plan_partition(big, cpu_devices[:4], device_budget_bytes=200_000)
+    with pytest.raises(ValueError, match="does not have"):
+        plan_partition(model, cpu_devices[:2], {"nope": cpu_devices[0]})
+    with pytest.raises(ValueError, match="does not place the layers with parameters"):
+        plan_partition(model, cpu_devices[:2], {model.layers[0].name: cpu_devices[0]})
+    three = mlp(widths=(8, 8))
+    names = [l.name for l in three.layers]
+    with pytest.raises(ValueError, match="contiguous"):
+        plan_partition(three, cpu_devices[:2], {names[0]: cpu_devices[0],
+                                               names[1]: cpu_devices[1],
+                                               names[2]: cpu_devices[0]})
+    with pytest.raises(ValueError, match="not built"):
+        plan_partition(keras.Sequential([keras.layers.Dense(3)]), cpu_devices[:2])

@@ -1,0 +1,14 @@
+"""Keras callbacks of tfdist_ext.
+
+Example:
+  >>> from tfdist_ext.callbacks import LinearScalingWarmup
+  >>> cb = LinearScalingWarmup(0.1, base_batch_size=256, batch_size=2048, warmup_epochs=5)
+"""
+
+from tfdist_ext.callbacks._linear_scaling import LinearScalingWarmup
+from tfdist_ext.callbacks._linear_scaling import MomentumCorrection
+
+__all__ = [
+    "LinearScalingWarmup",
+    "MomentumCorrection",
+]
