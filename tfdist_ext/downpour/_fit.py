@@ -1,0 +1,415 @@
+"""How ``model.fit`` runs Downpour (internal).
+
+Keras 3 has no parameter-server path in ``fit``. ``install()`` wraps
+``TensorFlowTrainer.fit`` once: for a model whose strategy is a
+``DownpourStrategy`` the wrapper sets ``model.train_function`` to a
+:class:`_TrainFunction` and, for the duration of the call, hooks the model's
+``_get_metrics_result_or_logs`` (which Keras calls right after each epoch's
+last batch) to wait for the epoch's rounds, then runs Keras's own ``fit``
+loop unchanged (progress bar, callbacks, validation, checkpoints). For every
+other model ``fit`` is Keras's, untouched.
+
+Each call of the train function counts steps; every ``round_steps`` steps it
+schedules one *round* on whichever worker is free (``ClusterCoordinator``):
+fetch the parameters from the ``ps`` shards, run the local steps on that
+copy (``keras.StatelessScope`` maps the model's variables to the local
+tensors), fetch again every ``n_fetch`` steps, and push the summed gradient
+every ``n_push`` steps through the compiled optimizer, whose update ops run
+on the ``ps`` task that owns each variable. A round is
+``lcm(n_fetch, n_push)`` steps, so round boundaries fall exactly where both a
+fetch and a push are due and no state has to live on the worker between
+rounds: a lost worker loses only the gradients of its round in flight.
+"""
+
+import functools
+import time
+import warnings
+
+import keras
+import tensorflow as tf
+
+from tfdist_ext.cluster._local import ClusterError
+from tfdist_ext.cluster._local import ClusterTimeoutError
+from tfdist_ext.cluster._local import ping
+
+_ORIGINAL_FIT = None
+_MAX_SOURCES = 16
+
+
+def install():
+    """Wraps ``TensorFlowTrainer.fit`` once (idempotent)."""
+    global _ORIGINAL_FIT
+    if _ORIGINAL_FIT is not None:
+        return
+    from keras.src.backend.tensorflow import trainer as tf_trainer
+
+    original = tf_trainer.TensorFlowTrainer.fit
+
+    @functools.wraps(original)
+    def fit(self, *args, **kwargs):
+        strategy = self.distribute_strategy
+        if getattr(strategy, "_is_downpour", False):
+            return _downpour_fit(self, strategy, original, *args, **kwargs)
+        return original(self, *args, **kwargs)
+
+    _ORIGINAL_FIT = original
+    tf_trainer.TensorFlowTrainer.fit = fit
+
+
+class SourceDataset:
+    """What ``DownpourStrategy.experimental_distribute_dataset`` returns.
+
+    Iterating it gives an ordinary ``tf.data`` iterator on the chief (Keras
+    ``evaluate``/``predict`` use it as is); the strategy remembers which
+    dataset each iterator came from so that ``fit`` can build per-worker
+    shards of it.
+    """
+
+    def __init__(self, dataset, strategy):
+        self.dataset = dataset
+        self._strategy = strategy
+
+    def __iter__(self):
+        iterator = iter(self.dataset)
+        sources = self._strategy._sources
+        sources.append((iterator, self.dataset))
+        del sources[:-_MAX_SOURCES]
+        return iterator
+
+    @property
+    def element_spec(self):
+        return self.dataset.element_spec
+
+
+def _source_of(strategy, iterator):
+    for it, dataset in reversed(strategy._sources):
+        if it is iterator:
+            return dataset
+    raise ValueError(
+        "DownpourStrategy: fit() got data that was not distributed by this "
+        "strategy; build and fit the model under the same strategy"
+    )
+
+
+def _downpour_fit(model, strategy, original, *args, **kwargs):
+    train_function = _TrainFunction(model, strategy)
+    keras_epoch_logs = model._get_metrics_result_or_logs
+
+    def epoch_logs(logs):
+        # Keras calls this right after an epoch's last batch (also when the
+        # loop broke early), and at the end of evaluate(): after training
+        # steps it is the epoch's end, so wait for every round and report
+        # exact values; otherwise it is evaluate's and stays Keras's.
+        if train_function.steps_since_finish:
+            return train_function.finish_epoch()
+        return keras_epoch_logs(logs)
+
+    model.train_function = train_function
+    model._get_metrics_result_or_logs = epoch_logs
+    try:
+        return original(model, *args, **kwargs)
+    finally:
+        del model._get_metrics_result_or_logs
+        model.train_function = None
+        train_function.close()
+
+
+class _TrainFunction:
+    """``model.train_function`` under Downpour: schedules rounds, returns logs."""
+
+    def __init__(self, model, strategy):
+        self.model = model
+        self.strategy = strategy
+        self.coordinator = strategy.coordinator
+        self._round = None
+        self._per_worker = []
+        self._current = None
+        self._pending = 0
+        self._scheduled_steps = 0
+        self._inflight = []
+        self._logs = {}
+        self._last_read = 0.0
+        self.steps_since_finish = 0
+        self._epoch_base = strategy.stats.snapshot()
+        self._ps_addresses = strategy._cluster_resolver.cluster_spec().as_dict()["ps"]
+        self._last_ps_check = time.monotonic()
+
+    # -- Keras-facing --------------------------------------------------------
+
+    def __call__(self, iterator):
+        dataset = _source_of(self.strategy, iterator)
+        self._current = self._per_worker_iterator(dataset)
+        for _ in range(self.model.steps_per_execution):
+            self.steps_since_finish += 1
+            self._scheduled_steps += 1
+            if self._scheduled_steps <= self.strategy.warmstart_steps:
+                # Warmstart: one replica at a time, in order.
+                self._schedule(1)
+                self._wait(lambda: not self._inflight)
+            else:
+                self._pending += 1
+                if self._pending == self.strategy.round_steps:
+                    self._schedule(self._pending)
+        self._collect()
+        if time.monotonic() - self._last_read > 0.5:
+            self._read_logs()
+        return self._logs
+
+    def finish_epoch(self):
+        """Schedules the partial round, waits for all rounds; exact epoch logs."""
+        if self._pending and self._current is not None:
+            self._schedule(self._pending)
+        self._wait(lambda: not self._inflight)
+        self._read_logs()
+        self.steps_since_finish = 0
+        self._epoch_base = self.strategy.stats.snapshot()
+        return dict(self._logs)
+
+    def close(self):
+        try:
+            self._wait(lambda: not self._inflight)
+        except Exception:  # noqa: BLE001 - fit is already raising its own error
+            pass
+
+    # -- scheduling ----------------------------------------------------------
+
+    def _schedule(self, steps):
+        self._pending = 0
+        if self._round is None:
+            self._round = _build_round(self.model, self.strategy)
+        # Keep the coordinator's queue short so that every wait is ours, with
+        # a deadline, rather than a blocking schedule() call.
+        limit = 2 * self.strategy.num_workers
+        self._wait(lambda: len(self._inflight) < limit)
+        remote = self.coordinator.schedule(
+            self._round.function, args=(self._current, tf.constant(steps, tf.int32))
+        )
+        self._inflight.append(remote)
+
+    def _collect(self):
+        from tensorflow.python.distribute.coordinator import remote_value
+
+        still = []
+        for remote in self._inflight:
+            status = getattr(remote, "_status", None)
+            if status == remote_value.RemoteValueStatus.READY:
+                self._record(remote.fetch())
+            elif status == remote_value.RemoteValueStatus.ABORTED:
+                remote.fetch()   # raises the round's error
+            else:
+                still.append(remote)
+        self._inflight = still
+        if self.coordinator.done():   # raises a failed round's error, if any
+            pass
+
+    def _record(self, out):
+        stats = self.strategy.stats
+        staleness = out["staleness"]
+        pushes = int(out["pushes"])
+        rejected = int(out["rejected"])
+        stats.record(
+            steps=int(out["steps"]),
+            pushes=pushes,
+            fetches=int(out["fetches"]),
+            rejected=rejected,
+            push_bytes=int(out["push_bytes"]),
+            fetch_bytes=int(out["fetch_bytes"]),
+            staleness=staleness[staleness >= 0],
+        )
+        if rejected:
+            warnings.warn(
+                f"DownpourStrategy: the parameter server rejected {rejected} push(es) "
+                "with NaN or Inf gradients; its parameters were left unchanged",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    def _wait(self, condition):
+        """Polls rounds until ``condition()``; fails if nothing finishes in time."""
+        deadline = self.strategy.deadline
+        last_progress = time.monotonic()
+        count = len(self._inflight)
+        while True:
+            self._collect()
+            if condition():
+                return
+            if len(self._inflight) != count:
+                count = len(self._inflight)
+                last_progress = time.monotonic()
+            self._check_ps()
+            if time.monotonic() - last_progress > max(deadline, 1.0) * 3:
+                raise ClusterTimeoutError(
+                    f"DownpourStrategy: no round finished within {3 * deadline:.0f}s "
+                    f"({len(self._inflight)} in flight); the workers may all be gone"
+                )
+            time.sleep(0.005)
+
+    def _check_ps(self):
+        now = time.monotonic()
+        if now - self._last_ps_check < 2.0:
+            return
+        self._last_ps_check = now
+        for index, address in enumerate(self._ps_addresses):
+            try:
+                ping(address, timeout=self.strategy.deadline)
+            except ClusterTimeoutError:
+                raise ClusterError(
+                    f"DownpourStrategy: parameter server ps:{index} at {address} is "
+                    f"unreachable (no answer within {self.strategy.deadline:.0f}s); "
+                    "training stopped. Restart the ps task and resume from the last "
+                    "checkpoint (e.g. keras.callbacks.BackupAndRestore)."
+                ) from None
+
+    # -- data ----------------------------------------------------------------
+
+    def _per_worker_iterator(self, dataset):
+        for source, per_worker in self._per_worker:
+            if source is dataset:
+                return per_worker
+        per_worker = _per_worker_iterator(self.strategy, dataset)
+        self._per_worker.append((dataset, per_worker))
+        return per_worker
+
+    # -- logs ----------------------------------------------------------------
+
+    def _read_logs(self):
+        logs = {}
+        for key, value in self.model.get_metrics_result().items():
+            try:
+                logs[key] = float(value)
+            except (TypeError, ValueError):
+                logs[key] = value
+        summary = self.strategy.stats.summary(since=self._epoch_base)
+        for key in ("staleness_mean", "staleness_max", "pushes", "rejected_pushes",
+                    "push_bytes_per_step", "fetch_bytes_per_step"):
+            logs[key] = float(summary[key])
+        self._logs = logs
+        self._last_read = time.monotonic()
+
+
+def _per_worker_iterator(strategy, dataset):
+    """An iterator on every worker over that worker's shard of ``dataset``."""
+    from tensorflow.python.data.experimental.ops import distribute as data_distribute
+    from tensorflow.python.distribute import input_lib
+    from tensorflow.python.distribute.coordinator import values as coordinator_values
+
+    num_workers = strategy.num_workers
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    # The dataset lives on the chief; ship its graph, not its handle, and
+    # rebuild it on each worker (as tf.data's own `replicate` does).
+    graph_def = dataset._as_serialized_graph(
+        strip_device_assignment=True,
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+    ).numpy()
+    element_spec = dataset.element_spec
+
+    # graph_def is an argument, not a captured constant: grappler would fold
+    # a constant DatasetFromGraph into a variant that cannot cross processes.
+    @tf.function
+    def make_iterator(index, graph_def):
+        rebuilt = data_distribute._RemoteDataset(graph_def, "", element_spec)
+        shard = rebuilt.shard(num_workers, index).repeat().with_options(options)
+        return iter(shard)
+
+    spec = input_lib.get_iterator_spec_from_dataset(strategy, dataset)
+    remotes = []
+    for index, worker in enumerate(strategy.coordinator._cluster.workers):
+        remote = worker.create_resource(
+            make_iterator, args=(tf.constant(index, tf.int64), tf.constant(graph_def))
+        )
+        remote._type_spec = spec
+        remotes.append(remote)
+    return coordinator_values.PerWorkerDistributedIterator(tuple(remotes))
+
+
+class _Round:
+    def __init__(self, function):
+        self.function = function
+
+
+def _build_round(model, strategy):
+    """The tf.function one worker runs for a round of local steps."""
+    from keras.src.trainers.data_adapters import data_adapter_utils
+
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+    optimizer = model.optimizer
+    if not trainable:
+        raise ValueError("DownpourStrategy: the model has no trainable weights")
+    n_fetch, n_push = strategy.n_fetch, strategy.n_push
+    with strategy.scope():
+        version = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                              name="downpour_server_version")
+    strategy._server_version = version
+    param_bytes = sum(_nbytes(v) for v in trainable)
+    nt_bytes = sum(_nbytes(v) for v in non_trainable)
+
+    def fetch():
+        return [tf.identity(v.value) for v in trainable], version.read_value()
+
+    def local_step(params, x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            mapping = list(zip(trainable, params))
+            mapping += [(v, v.value) for v in non_trainable]
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+                loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                           sample_weight=sample_weight, training=True)
+            new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
+        grads = tape.gradient(loss, params)
+        grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+                 for g, p in zip(grads, params)]
+        for v, value in zip(non_trainable, new_non_trainable):
+            if value is not None:
+                v.assign(value)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        model._loss_tracker.update_state(loss, sample_weight=batch)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return grads
+
+    @tf.function
+    def round_fn(iterator, num_steps):
+        params, fetched = fetch()
+        accum = [tf.zeros_like(p) for p in params]
+        fetches = tf.constant(1, tf.int64)
+        pushes = tf.constant(0, tf.int64)
+        rejected = tf.constant(0, tf.int64)
+        staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
+        for i in tf.range(num_steps):
+            if i > 0 and i % n_fetch == 0:
+                params, fetched = fetch()
+                fetches += 1
+            data = next(iterator)
+            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+            grads = strategy.run(local_step, args=(params, x, y, sample_weight))
+            accum = [a + g for a, g in zip(accum, grads)]
+            if (i + 1) % n_push == 0 or i + 1 == num_steps:
+                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in accum])
+                if finite:
+                    # Cross-replica context: each variable's update runs on
+                    # the ps task that owns it (extended.update colocates).
+                    optimizer.apply_gradients(zip(accum, trainable))
+                    before = version.assign_add(1) - 1
+                    staleness = staleness.write(staleness.size(), before - fetched)
+                    pushes += 1
+                else:
+                    rejected += 1
+                accum = [tf.zeros_like(a) for a in accum]
+        steps = tf.cast(num_steps, tf.int64)
+        return {
+            "steps": steps,
+            "pushes": pushes,
+            "fetches": fetches,
+            "rejected": rejected,
+            "staleness": staleness.stack(),
+            "push_bytes": (pushes + rejected) * param_bytes,
+            "fetch_bytes": fetches * param_bytes + steps * 2 * nt_bytes,
+        }
+
+    return _Round(round_fn)
+
+
+def _nbytes(variable):
+    return int(variable.shape.num_elements()) * tf.as_dtype(variable.dtype).size

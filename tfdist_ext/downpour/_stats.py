@@ -1,0 +1,66 @@
+"""Counters of a Downpour run (internal; reached as ``strategy.stats``)."""
+
+import threading
+
+import numpy as np
+
+
+class DownpourStats:
+    """What the replicas did: pushes, fetches, rejections, staleness, bytes.
+
+    Updated on the chief as rounds finish; ``staleness`` holds one value per
+    accepted push: the number of server updates between the pushing replica's
+    last fetch and its push.
+
+    Example:
+      >>> strategy.stats.summary()   # doctest: +SKIP
+      {'pushes': 400, 'staleness_mean': 0.97, 'staleness_max': 3, ...}
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.reset()
+
+    def reset(self):
+        with self._lock:
+            self.steps = 0
+            self.pushes = 0
+            self.fetches = 0
+            self.rejected_pushes = 0
+            self.push_bytes = 0
+            self.fetch_bytes = 0
+            self.staleness = []
+
+    def record(self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness):
+        with self._lock:
+            self.steps += int(steps)
+            self.pushes += int(pushes)
+            self.fetches += int(fetches)
+            self.rejected_pushes += int(rejected)
+            self.push_bytes += int(push_bytes)
+            self.fetch_bytes += int(fetch_bytes)
+            self.staleness.extend(int(s) for s in staleness)
+
+    def summary(self, since=None):
+        """Totals, and staleness mean/max, optionally since an earlier ``snapshot()``."""
+        with self._lock:
+            base = since or {"steps": 0, "pushes": 0, "fetches": 0, "rejected_pushes": 0,
+                             "push_bytes": 0, "fetch_bytes": 0, "n_staleness": 0}
+            stale = np.asarray(self.staleness[base["n_staleness"]:], dtype=np.float64)
+            steps = max(1, self.steps - base["steps"])
+            return {
+                "steps": self.steps - base["steps"],
+                "pushes": self.pushes - base["pushes"],
+                "fetches": self.fetches - base["fetches"],
+                "rejected_pushes": self.rejected_pushes - base["rejected_pushes"],
+                "push_bytes_per_step": (self.push_bytes - base["push_bytes"]) / steps,
+                "fetch_bytes_per_step": (self.fetch_bytes - base["fetch_bytes"]) / steps,
+                "staleness_mean": float(stale.mean()) if stale.size else 0.0,
+                "staleness_max": float(stale.max()) if stale.size else 0.0,
+            }
+
+    def snapshot(self):
+        with self._lock:
+            return {"steps": self.steps, "pushes": self.pushes, "fetches": self.fetches,
+                    "rejected_pushes": self.rejected_pushes, "push_bytes": self.push_bytes,
+                    "fetch_bytes": self.fetch_bytes, "n_staleness": len(self.staleness)}
