@@ -104,7 +104,8 @@ def microbatch_gradients(model, plan, data, microbatches):
             with tf.device(device):
                 h = tf.identity(h)
                 with tf.GradientTape() as tape:
-                    tape.watch(h)
+                    if s > 0:
+                        tape.watch(h)
                     ins[s, m] = h
                     out = h
                     for layer in members:
@@ -128,13 +129,14 @@ def microbatch_gradients(model, plan, data, microbatches):
         for s in range(len(stages) - 1, -1, -1):
             device = stages[s][0]
             with tf.device(device):
-                sources = [ins[s, m], *variables]
+                # The first stage needs no gradient for the model's input.
+                head = [ins[s, m]] if s > 0 else []
                 g = tapes[s, m].gradient(
-                    outs[s, m], sources,
+                    outs[s, m], [*head, *variables],
                     output_gradients=None if upstream is None else [upstream],
                     unconnected_gradients=tf.UnconnectedGradients.NONE)
-                upstream = g[0]
-                for i, gv in enumerate(g[1:]):
+                upstream = g[0] if s > 0 else None
+                for i, gv in enumerate(g[len(head):]):
                     if gv is None:
                         continue
                     if isinstance(gv, tf.IndexedSlices):

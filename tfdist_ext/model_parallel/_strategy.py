@@ -254,6 +254,12 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             # The strategy now owns these variables (some may have been built
             # outside its scope): Keras' optimizer may colocate slots with them.
             variable.value._distribute_strategy = self
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is not None and not optimizer.built and hasattr(
+                optimizer, "_distribution_strategy"):
+            # An optimizer constructed outside the scope (e.g. passed to
+            # compile) would create its slots through the default strategy.
+            optimizer._distribution_strategy = self
         self.plan = plan
         return model
 
