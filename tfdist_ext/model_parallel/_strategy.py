@@ -135,8 +135,19 @@ class ModelParallelExtended(one_device_strategy.OneDeviceExtended):
         return (self._devices[0],)
 
     def _experimental_distribute_dataset(self, dataset, options):
+        # One replica on one host: like the default strategy, hand the dataset
+        # over as it is (OneDeviceStrategy's per-device prefetching iterator
+        # costs a multi-device function call per step).
         self._container_strategy()._place_calling_model()
-        return super()._experimental_distribute_dataset(dataset, options)
+        del options
+        return dataset
+
+    def _distribute_datasets_from_function(self, dataset_fn, options):
+        del options
+        return dataset_fn(distribute_lib.InputContext())
+
+    def _experimental_distribute_values_from_function(self, value_fn):
+        return value_fn(distribute_lib.ValueContext())
 
 
 class ModelParallelStrategy(distribute_lib.Strategy):
