@@ -255,6 +255,7 @@ def reference_loss_and_grads(model, x, y):
     (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 1, 64),
     (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 64),
     (lambda: mlp(inputs=64), True, 4, 30),  # uneven micro-batches
+    (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 3),  # one empty
     (cnn, False, 4, 32),
 ])
 def test_pipelined_loss_and_gradients_match_single_device(cpu_devices, make, flatten,

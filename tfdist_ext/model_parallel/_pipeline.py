@@ -7,9 +7,10 @@ under the stage's device, feeding each stage the gradient of its output. All
 of this is one TensorFlow graph: TensorFlow's executor runs an op as soon as
 its inputs are ready, so stage ``s`` works on micro-batch ``m`` while stage
 ``s+1`` works on micro-batch ``m-1`` -- the GPipe schedule falls out of the
-data flow. Gradients are accumulated over micro-batches, weighted by
-micro-batch size, so they equal the full-batch gradient (up to float32
-summation order); the optimizer is applied once per step.
+data flow. Gradients are accumulated over micro-batches; the loss is Keras' own
+loss on the concatenated predictions, so the gradients equal the full-batch
+gradient (up to float32 summation order); the optimizer is applied once per
+step.
 """
 
 import keras
@@ -71,7 +72,9 @@ def microbatch_gradients(model, plan, data, microbatches):
 
     Returns ``(loss, y_pred, grads)`` where ``grads`` lines up with
     ``model.trainable_variables``; ``loss`` is what the unpipelined Keras step
-    would compute on the whole batch.
+    computes on the whole batch. A batch may hold fewer examples than
+    ``microbatches`` (a short last batch): the empty micro-batches cost
+    nothing.
 
     Example:
       >>> loss, y_pred, grads = microbatch_gradients(model, plan, (x, y), 4)  # doctest: +SKIP
@@ -83,57 +86,55 @@ def microbatch_gradients(model, plan, data, microbatches):
                          "micro-batch pipelining needs one")
     stages = _stages(layers, plan)
     n = tf.shape(x)[0]
-    tf.debugging.assert_greater_equal(
-        n, microbatches,
-        message=f"a batch must hold at least microbatches={microbatches} examples")
     base, extra = n // microbatches, n % microbatches
     sizes = tf.stack([base + tf.cast(m < extra, n.dtype) for m in range(microbatches)])
     xs = _split(x, sizes, microbatches)
-    ys = tf.nest.map_structure(lambda t: _split(t, sizes, microbatches), y) \
-        if y is not None else [None] * microbatches
-    if y is not None and not isinstance(y, tf.Tensor):
-        raise ValueError("micro-batch pipelining supports a single label tensor")
-    sws = _split(sample_weight, sizes, microbatches)
     variables = model.trainable_variables
-    total = tf.cast(n, tf.float32)
+    last = len(stages) - 1
 
-    tapes, outs, ins, preds, losses = {}, {}, {}, [], []
+    # Forward: micro-batch m through stage s, each in its own tape, on the
+    # stage's device. (A batch smaller than `microbatches` leaves some
+    # micro-batches empty; empty tensors flow through harmlessly.)
+    tapes, ins, outs = {}, {}, {}
     for m in range(microbatches):
         h = xs[m]
         for s, (device, members) in enumerate(stages):
             with tf.device(device):
                 h = tf.identity(h)
                 with tf.GradientTape() as tape:
-                    if s > 0:
+                    if s > 0:  # the model's input needs no gradient
                         tape.watch(h)
-                    ins[s, m] = h
                     out = h
                     for layer in members:
                         out = _call_layer(layer, out, True)
-                    if s == len(stages) - 1:
-                        preds.append(out)
-                        loss_m = model._compute_loss(
-                            x=xs[m], y=ys[m], y_pred=out,
-                            sample_weight=sws[m], training=True)
-                        weight = tf.cast(sizes[m], loss_m.dtype) / tf.cast(total, loss_m.dtype)
-                        losses.append(loss_m * weight)
-                        out = losses[-1]
-                        if model.optimizer is not None:
-                            out = model.optimizer.scale_loss(out)
-                tapes[s, m], outs[s, m] = tape, out
+                tapes[s, m], ins[s, m], outs[s, m] = tape, h, out
                 h = out
 
-    grads = [None] * len(variables)
+    # The loss is Keras' own loss on the whole batch (so any loss, weighted or
+    # not, decomposable or not, is exactly the unpipelined one), computed on
+    # the last stage's device once every micro-batch has come out -- the
+    # GPipe schedule: all forwards, then all backwards.
+    preds = [outs[last, m] for m in range(microbatches)]
+    with tf.device(stages[last][0]):
+        with tf.GradientTape() as tape:
+            tape.watch(preds)
+            y_pred = tf.concat(preds, axis=0)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
+                                       sample_weight=sample_weight, training=True)
+            scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
+        g = tape.gradient(scaled, [*preds, *variables],
+                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+    upstreams = g[:microbatches]
+    grads = list(g[microbatches:])  # e.g. weight regularisation terms
+
+    # Backward: stage by stage in reverse, on each stage's device.
     for m in range(microbatches):
-        upstream = None
-        for s in range(len(stages) - 1, -1, -1):
-            device = stages[s][0]
-            with tf.device(device):
-                # The first stage needs no gradient for the model's input.
+        upstream = upstreams[m]
+        for s in range(last, -1, -1):
+            with tf.device(stages[s][0]):
                 head = [ins[s, m]] if s > 0 else []
                 g = tapes[s, m].gradient(
-                    outs[s, m], [*head, *variables],
-                    output_gradients=None if upstream is None else [upstream],
+                    outs[s, m], [*head, *variables], output_gradients=[upstream],
                     unconnected_gradients=tf.UnconnectedGradients.NONE)
                 upstream = g[0] if s > 0 else None
                 for i, gv in enumerate(g[len(head):]):
@@ -142,8 +143,6 @@ def microbatch_gradients(model, plan, data, microbatches):
                     if isinstance(gv, tf.IndexedSlices):
                         gv = tf.convert_to_tensor(gv)
                     grads[i] = gv if grads[i] is None else grads[i] + gv
-    loss = tf.add_n(losses)
-    y_pred = tf.concat(preds, axis=0)
     return loss, y_pred, grads
 
 

@@ -121,7 +121,9 @@ class Plan:
 
     def __str__(self):
         per_device = self.device_param_bytes
-        lines = [f"Plan ({self.partition}, balanced by {self.balance_by}):"]
+        how = (f"balanced by {self.balance_by}" if self.partition == "balanced"
+               else "explicit map")
+        lines = [f"Plan ({how}):"]
         for s in self.stages:
             lines.append(
                 f"  {s.device}: {len(s.layers)} layer(s) {list(s.layers)}, "
