@@ -25,6 +25,10 @@ def chain_layers(model):
 
     A chain is a ``Sequential`` model or a functional model with one input and
     one output in which every layer takes exactly the previous layer's output.
+
+    Example:
+      >>> [layer.name for layer in chain_layers(model)]  # doctest: +SKIP
+      ['dense', 'dense_1']
     """
     from tfdist_ext.model_parallel._plan import top_level_layers
 
