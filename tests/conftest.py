@@ -54,9 +54,18 @@ def run_script(source, *, timeout=240, env=None, expect_ok=True):
     if expect_ok and proc.returncode != 0:
         pytest.fail(
             f"script exited with {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\n"
-            f"stderr:\n{proc.stderr[-5000:]}"
+            f"stderr:\n{_quiet(proc.stderr)[-8000:]}"
         )
     return proc
+
+
+_NOISE = ("E0000", "W0000", "I0000", "Additional GRPC", ":UNKNOWN:", "This could happen",
+          "WARNING: All log")
+
+
+def _quiet(stderr):
+    """stderr without TensorFlow's gRPC teardown chatter."""
+    return "\n".join(l for l in stderr.splitlines() if not l.startswith(_NOISE))
 
 
 @pytest.fixture

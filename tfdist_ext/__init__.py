@@ -12,4 +12,19 @@ from tfdist_ext import cluster
 from tfdist_ext import datasets
 from tfdist_ext.cluster import LocalCluster
 
-__all__ = ["LocalCluster", "cluster", "datasets", "__version__"]
+
+def __getattr__(name):
+    # Strategies import TensorFlow: load them on first use so that
+    # `tfdist-ext server` can report a bad TF_CONFIG without that cost.
+    if name == "DownpourStrategy":
+        from tfdist_ext.downpour import DownpourStrategy
+
+        return DownpourStrategy
+    if name == "downpour":
+        import importlib
+
+        return importlib.import_module("tfdist_ext.downpour")
+    raise AttributeError(f"module 'tfdist_ext' has no attribute {name!r}")
+
+
+__all__ = ["DownpourStrategy", "LocalCluster", "cluster", "datasets", "downpour", "__version__"]

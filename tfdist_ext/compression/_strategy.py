@@ -166,6 +166,17 @@ class _CompressedExchange:
                            if totals["wire_bytes"] else float("nan"))
         return totals
 
+    def reset_compression_state(self):
+        """Puts every replica's compressor state back to ``compressor.init`` (e.g. between runs).
+
+        Example:
+          >>> strategy.reset_compression_state()   # doctest: +SKIP
+        """
+        for (_, shape, dtype), slots in self._state_slots.items():
+            for state_vars in slots:
+                init = self._compression.init(shape, dtype)
+                self._write(state_vars, init)
+
     def reset_compression_stats(self):
         """Sets the byte and time counters to zero.
 

@@ -21,6 +21,7 @@ fetch and a push are due and no state has to live on the worker between
 rounds: a lost worker loses only the gradients of its round in flight.
 """
 
+import contextlib
 import functools
 import time
 import warnings
@@ -70,7 +71,16 @@ class SourceDataset:
         self._strategy = strategy
 
     def __iter__(self):
-        iterator = iter(self.dataset)
+        try:
+            iterator = iter(self.dataset)
+        except tf.errors.InvalidArgumentError as e:
+            if "unknown device" not in str(e):
+                raise
+            raise ValueError(
+                "DownpourStrategy: this dataset was created before the process "
+                "connected to the cluster (before DownpourStrategy(...)), so its "
+                "device no longer exists; create datasets after the strategy"
+            ) from None
         sources = self._strategy._sources
         sources.append((iterator, self.dataset))
         del sources[:-_MAX_SOURCES]
@@ -91,7 +101,21 @@ def _source_of(strategy, iterator):
     )
 
 
+def _adopt_optimizer(model, strategy):
+    """An optimizer made outside ``strategy.scope()`` but not yet built joins it."""
+    optimizer = model.optimizer
+    if optimizer is None or getattr(optimizer, "_distribution_strategy", strategy) is strategy:
+        return
+    if optimizer.built:
+        raise ValueError(
+            "DownpourStrategy: the model's optimizer was built under another "
+            "strategy; create and compile it inside `strategy.scope()`"
+        )
+    optimizer._distribution_strategy = strategy
+
+
 def _downpour_fit(model, strategy, original, *args, **kwargs):
+    _adopt_optimizer(model, strategy)
     train_function = _TrainFunction(model, strategy)
     keras_epoch_logs = model._get_metrics_result_or_logs
 
@@ -122,9 +146,11 @@ class _TrainFunction:
         self.strategy = strategy
         self.coordinator = strategy.coordinator
         self._round = None
+        self._worker_index = None
         self._per_worker = []
         self._current = None
         self._pending = 0
+        self._ahead = 0
         self._scheduled_steps = 0
         self._inflight = []
         self._logs = {}
@@ -137,10 +163,17 @@ class _TrainFunction:
     # -- Keras-facing --------------------------------------------------------
 
     def __call__(self, iterator):
+        with self._explained_errors():
+            return self._call(iterator)
+
+    def _call(self, iterator):
         dataset = _source_of(self.strategy, iterator)
         self._current = self._per_worker_iterator(dataset)
         for _ in range(self.model.steps_per_execution):
             self.steps_since_finish += 1
+            if self._ahead:
+                self._ahead -= 1     # already scheduled by an early round
+                continue
             self._scheduled_steps += 1
             if self._scheduled_steps <= self.strategy.warmstart_steps:
                 # Warmstart: one replica at a time, in order.
@@ -151,16 +184,29 @@ class _TrainFunction:
                 if self._pending == self.strategy.round_steps:
                     self._schedule(self._pending)
         self._collect()
-        if time.monotonic() - self._last_read > 0.5:
+        if self.strategy.stats.steps == self._epoch_base["steps"]:
+            # Nothing of this epoch has finished yet: wait for its first
+            # round so that callbacks never see the reset metrics' zeros.
+            if self._pending and not self._inflight:
+                # Schedule the whole round now; its later steps are counted
+                # off as Keras calls for them.
+                self._ahead = self.strategy.round_steps - self._pending
+                self._scheduled_steps += self._ahead
+                self._schedule(self.strategy.round_steps)
+            self._wait(lambda: self.strategy.stats.steps > self._epoch_base["steps"])
+            self._read_logs()
+        elif time.monotonic() - self._last_read > 0.5:
             self._read_logs()
         return self._logs
 
     def finish_epoch(self):
         """Schedules the partial round, waits for all rounds; exact epoch logs."""
-        if self._pending and self._current is not None:
-            self._schedule(self._pending)
-        self._wait(lambda: not self._inflight)
-        self._read_logs()
+        with self._explained_errors():
+            if self._pending and self._current is not None:
+                self._schedule(self._pending)
+            self._wait(lambda: not self._inflight)
+            self._read_logs()
+        self._ahead = 0
         self.steps_since_finish = 0
         self._epoch_base = self.strategy.stats.snapshot()
         return dict(self._logs)
@@ -175,14 +221,19 @@ class _TrainFunction:
 
     def _schedule(self, steps):
         self._pending = 0
+        if steps <= 0:
+            return
         if self._round is None:
             self._round = _build_round(self.model, self.strategy)
         # Keep the coordinator's queue short so that every wait is ours, with
         # a deadline, rather than a blocking schedule() call.
         limit = 2 * self.strategy.num_workers
         self._wait(lambda: len(self._inflight) < limit)
+        if self._worker_index is None:
+            self._worker_index = _per_worker_index(self.strategy)
         remote = self.coordinator.schedule(
-            self._round.function, args=(self._current, tf.constant(steps, tf.int32))
+            self._round.function,
+            args=(self._current, self._worker_index, tf.constant(steps, tf.int32)),
         )
         self._inflight.append(remote)
 
@@ -214,7 +265,8 @@ class _TrainFunction:
             rejected=rejected,
             push_bytes=int(out["push_bytes"]),
             fetch_bytes=int(out["fetch_bytes"]),
-            staleness=staleness[staleness >= 0],
+            staleness=staleness,
+            worker=int(out["worker"]),
         )
         if rejected:
             warnings.warn(
@@ -223,6 +275,15 @@ class _TrainFunction:
                 RuntimeWarning,
                 stacklevel=2,
             )
+
+    @contextlib.contextmanager
+    def _explained_errors(self):
+        """A failed round or RPC: if a ps task is gone, say so plainly."""
+        try:
+            yield
+        except tf.errors.OpError:
+            self._check_ps(force=True)
+            raise
 
     def _wait(self, condition):
         """Polls rounds until ``condition()``; fails if nothing finishes in time."""
@@ -244,9 +305,9 @@ class _TrainFunction:
                 )
             time.sleep(0.005)
 
-    def _check_ps(self):
+    def _check_ps(self, force=False):
         now = time.monotonic()
-        if now - self._last_ps_check < 2.0:
+        if not force and now - self._last_ps_check < 2.0:
             return
         self._last_ps_check = now
         for index, address in enumerate(self._ps_addresses):
@@ -323,6 +384,20 @@ def _per_worker_iterator(strategy, dataset):
     return coordinator_values.PerWorkerDistributedIterator(tuple(remotes))
 
 
+def _per_worker_index(strategy):
+    """Each worker's task index, as a value resolved on that worker."""
+    from tensorflow.python.distribute.coordinator import values as coordinator_values
+
+    @tf.function
+    def identity(index):
+        return tf.identity(index)
+
+    return coordinator_values.PerWorkerValues(tuple(
+        worker.create_resource(identity, args=(tf.constant(index, tf.int64),))
+        for index, worker in enumerate(strategy.coordinator._cluster.workers)
+    ))
+
+
 class _Round:
     def __init__(self, function):
         self.function = function
@@ -346,7 +421,7 @@ def _build_round(model, strategy):
     nt_bytes = sum(_nbytes(v) for v in non_trainable)
 
     def fetch():
-        return [tf.identity(v.value) for v in trainable], version.read_value()
+        return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
 
     def local_step(params, x, y, sample_weight):
         with tf.GradientTape() as tape:
@@ -370,7 +445,7 @@ def _build_round(model, strategy):
         return grads
 
     @tf.function
-    def round_fn(iterator, num_steps):
+    def round_fn(iterator, worker, num_steps):
         params, fetched = fetch()
         accum = [tf.zeros_like(p) for p in params]
         fetches = tf.constant(1, tf.int64)
@@ -399,6 +474,7 @@ def _build_round(model, strategy):
                 accum = [tf.zeros_like(a) for a in accum]
         steps = tf.cast(num_steps, tf.int64)
         return {
+            "worker": worker,
             "steps": steps,
             "pushes": pushes,
             "fetches": fetches,

@@ -10,7 +10,8 @@ class DownpourStats:
 
     Updated on the chief as rounds finish; ``staleness`` holds one value per
     accepted push: the number of server updates between the pushing replica's
-    last fetch and its push.
+    last fetch and its push. ``steps_per_worker`` maps a worker's task index
+    to the local steps it ran.
 
     Example:
       >>> strategy.stats.summary()   # doctest: +SKIP
@@ -30,9 +31,13 @@ class DownpourStats:
             self.push_bytes = 0
             self.fetch_bytes = 0
             self.staleness = []
+            self.steps_per_worker = {}
 
-    def record(self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness):
+    def record(self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness,
+               worker=None):
         with self._lock:
+            if worker is not None:
+                self.steps_per_worker[worker] = self.steps_per_worker.get(worker, 0) + int(steps)
             self.steps += int(steps)
             self.pushes += int(pushes)
             self.fetches += int(fetches)

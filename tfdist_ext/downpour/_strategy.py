@@ -100,8 +100,8 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         min_shard_bytes=256 << 10,
         deadline=60.0,
     ):
-        self.n_fetch = _positive_int("n_fetch", n_fetch)
-        self.n_push = _positive_int("n_push", n_push)
+        self.n_fetch = n_fetch
+        self.n_push = n_push
         self.warmstart_steps = _positive_int("warmstart_steps", warmstart_steps, 0)
         self.min_shard_bytes = _positive_int("min_shard_bytes", min_shard_bytes)
         if not deadline or deadline <= 0:
@@ -145,10 +145,35 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         # cross-replica context; with no merge_call Keras's optimizer then
         # calls extended.update per variable, which runs on the variable's ps.
         self._extended._use_merge_call = lambda: False
+        self._extended._update = types.MethodType(
+            _update_sharded_aware, self._extended
+        )
+        self._extended._create_variable = types.MethodType(
+            _create_variable_sharded_slots, self._extended
+        )
         self.coordinator = cluster_coordinator.ClusterCoordinator(self)
         self.stats = DownpourStats()
         self._sources = []
         _fit.install()
+        _make_sharded_variables_readable()
+
+    @property
+    def n_fetch(self):
+        """Local steps between parameter fetches (settable between ``fit`` calls)."""
+        return self._n_fetch
+
+    @n_fetch.setter
+    def n_fetch(self, value):
+        self._n_fetch = _positive_int("n_fetch", value)
+
+    @property
+    def n_push(self):
+        """Local steps between gradient pushes (settable between ``fit`` calls)."""
+        return self._n_push
+
+    @n_push.setter
+    def n_push(self, value):
+        self._n_push = _positive_int("n_push", value)
 
     @property
     def num_workers(self):
@@ -206,3 +231,58 @@ def _create_variable_balanced(strategy, next_creator, **kwargs):
     with ops.colocate_with(None, ignore_existing=True):
         with ops.device(f"/job:ps/task:{index}/device:CPU:0"):
             return next_creator(**kwargs)
+
+
+_keras_update = parameter_server_strategy_v2.ParameterServerStrategyV2Extended._update
+
+
+def _update_sharded_aware(extended, var, fn, args, kwargs, group):
+    """``extended.update`` that also takes a variable split across ``ps`` shards.
+
+    A whole variable is updated on the ``ps`` task that owns it (TensorFlow's
+    colocation). A split (``ShardedVariable``) one cannot be colocated: its
+    update is computed where the push runs and written back shard by shard.
+    """
+    from tensorflow.python.distribute import distribute_lib
+    from tensorflow.python.distribute import sharded_variable
+
+    if isinstance(var, sharded_variable.ShardedVariable):
+        with distribute_lib.UpdateContext(var.variables[0].device):
+            return fn(var, *args, **kwargs)
+    return _keras_update(extended, var, fn, args, kwargs, group)
+
+
+_pss_create_variable = parameter_server_strategy_v2.ParameterServerStrategyV2Extended._create_variable
+
+
+def _create_variable_sharded_slots(extended, next_creator, **kwargs):
+    """Optimizer slots of a split variable are split the same way.
+
+    Keras creates a slot "colocated" with its variable; a ``ShardedVariable``
+    cannot be colocated with, so the slot goes through the partitioner
+    instead, which splits it like the variable across the ``ps`` tasks.
+    """
+    from tensorflow.python.distribute import sharded_variable
+
+    if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
+        kwargs.pop("colocate_with")
+    return _pss_create_variable(extended, next_creator, **kwargs)
+
+
+def _make_sharded_variables_readable():
+    """Lets Keras saving read a split variable as one array.
+
+    Keras reads weights with ``np.asarray(variable)``; TensorFlow's
+    ``ShardedVariable`` converts to a tensor but has no ``__array__``. Adds
+    the two readers it lacks (nothing else of the class changes).
+    """
+    import numpy as np
+    from tensorflow.python.distribute import sharded_variable
+
+    cls = sharded_variable.ShardedVariable
+    if not hasattr(cls, "__array__"):
+        cls.__array__ = lambda self, dtype=None, copy=None: np.asarray(
+            tf.convert_to_tensor(self).numpy(), dtype=dtype
+        )
+    if not hasattr(cls, "numpy"):
+        cls.numpy = lambda self: tf.convert_to_tensor(self).numpy()

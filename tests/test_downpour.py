@@ -1,0 +1,301 @@
+"""DownpourStrategy on a real local cluster, through Keras 3 `model.fit`.
+
+Each test runs its body in a fresh interpreter (`script` fixture): a process
+can connect to one TensorFlow cluster only, and a stuck cluster must fail the
+test at its deadline rather than hang the suite.
+"""
+
+import json
+import os
+
+import pytest
+
+from tfdist_ext.cluster import LocalCluster
+
+PRELUDE = """
+import json, os, sys, time, warnings
+import numpy as np
+import keras
+import tensorflow as tf
+import tfdist_ext
+from tfdist_ext import datasets
+from tfdist_ext.cluster import LocalCluster
+
+def mlp(hidden=64):
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
+                             keras.layers.Dense(10)])
+
+def compile(model, optimizer=None):
+    model.compile(optimizer=optimizer or keras.optimizers.Adagrad(0.05),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    return model
+
+def digits_train(batch=32):
+    return datasets.digits("train", flatten=True).shuffle(2048, seed=0).batch(batch).repeat()
+
+def digits_test():
+    return datasets.digits("test", flatten=True).batch(150)
+
+def report(**values):
+    print("RESULT " + json.dumps(values), flush=True)
+"""
+
+
+def _result(proc):
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.timeout(300)
+def test_fit_evaluate_predict_save_like_keras(script, tmp_path):
+    proc = script(PRELUDE + f"""
+keras.utils.set_random_seed(0)
+with LocalCluster(num_workers=2, num_ps=2) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, min_shard_bytes=8 << 10)
+    with strategy.scope():
+        model = compile(mlp(128))
+    seen = []
+    class Watch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((batch, float(logs["loss"])))
+        def on_epoch_end(self, epoch, logs=None):
+            seen.append(("epoch", logs["staleness_mean"], logs["staleness_max"]))
+    history = model.fit(digits_train(), epochs=3, steps_per_epoch=60,
+                        validation_data=digits_test(), callbacks=[Watch()], verbose=0)
+    loss, acc = model.evaluate(digits_test(), verbose=0)
+    x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
+    logits = model.predict(x_test, verbose=0)
+    kernel = model.layers[0].kernel.value
+    placement = {{v.path: [s.device for s in getattr(v.value, "variables", [v.value])]
+                 for v in model.variables + model.optimizer.variables}}
+    model.save({str(tmp_path / "m.keras")!r})
+    report(history=history.history, evaluate=[loss, acc],
+           predict_accuracy=float((logits.argmax(1) == y_test).mean()),
+           predict_shape=list(logits.shape), placement=placement,
+           sharded=type(kernel).__name__, shard_bytes=strategy.shard_bytes(),
+           batches=[s for s in seen if s[0] != "epoch"][:3], epochs=[s for s in seen if s[0] == "epoch"],
+           stats=strategy.stats.summary(), per_worker=strategy.stats.steps_per_worker)
+    reloaded = keras.models.load_model({str(tmp_path / "m.keras")!r})
+    np.testing.assert_allclose(reloaded.predict(x_test, verbose=0), logits, rtol=1e-5, atol=1e-5)
+    print("RELOADED_OK", flush=True)
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    h = r["history"]
+    assert len(h["loss"]) == 3 and h["loss"][2] < h["loss"][0]
+    assert h["val_accuracy"][-1] > 0.85
+    for key in ("staleness_mean", "staleness_max", "pushes", "rejected_pushes",
+                "push_bytes_per_step", "fetch_bytes_per_step", "accuracy"):
+        assert len(h[key]) == 3, key
+    assert all(0 <= m <= x for m, x in zip(h["staleness_mean"], h["staleness_max"]))
+    assert h["pushes"] == [60.0, 60.0, 60.0] and h["rejected_pushes"] == [0.0] * 3
+    assert r["stats"]["steps"] == 180
+    assert set(r["per_worker"]) == {"0", "1"}, "both replicas must have trained"
+    assert abs(r["evaluate"][1] - h["val_accuracy"][-1]) < 1e-6
+    assert abs(r["predict_accuracy"] - r["evaluate"][1]) < 1e-6
+    assert r["predict_shape"] == [450, 10]
+    # Parameters and optimizer state live on the ps tasks; the 32 KiB kernel
+    # is split across both shards, the rest are balanced by bytes.
+    assert r["sharded"] == "ShardedVariable"
+    off_ps = {k: d for k, d in r["placement"].items() if not all("/job:ps/" in x for x in d)}
+    assert not off_ps, off_ps
+    assert len(r["placement"]["sequential/dense/kernel"]) == 2
+    small, large = sorted(r["shard_bytes"])
+    assert large - small <= 4 * 1290 + 64, r["shard_bytes"]
+    assert r["batches"][0][0] == 0 and r["batches"][0][1] > 0
+    assert [e[0] for e in r["epochs"]] == ["epoch"] * 3
+    assert "RELOADED_OK" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_n_fetch_n_push_cut_traffic_and_optimizers_run_on_server(script):
+    proc = script(PRELUDE + """
+keras.utils.set_random_seed(1)
+out = {}
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+    for n, opt in ((1, keras.optimizers.Adagrad(0.05)), (5, keras.optimizers.SGD(0.05, momentum=0.9)),
+                   (4, keras.optimizers.Adam(0.005)), (2, keras.optimizers.SGD(0.1))):
+        strategy.n_fetch = strategy.n_push = n
+        strategy.stats.reset()
+        with strategy.scope():
+            model = compile(mlp(), opt)
+        h = model.fit(digits_train(), epochs=2, steps_per_epoch=40, verbose=0)
+        s = strategy.stats.summary()
+        params = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        out[f"{type(opt).__name__}-{n}"] = dict(loss=h.history["loss"], pushes=s["pushes"],
+            fetches=s["fetches"], push=s["push_bytes_per_step"], fetch=s["fetch_bytes_per_step"],
+            params=params, iterations=int(model.optimizer.iterations.numpy()))
+    report(**out)
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    for name, n in (("Adagrad-1", 1), ("SGD-5", 5), ("Adam-4", 4), ("SGD-2", 2)):
+        run = r[name]
+        assert run["loss"][1] < run["loss"][0], name
+        assert run["pushes"] == 80 // n, name
+        # Keras increments `iterations` by read-then-assign: concurrent pushes
+        # may overlap there (Hogwild-style), never overcount.
+        assert 0.85 * (80 // n) <= run["iterations"] <= 80 // n, name
+        assert run["fetches"] == 80 // n, name
+        assert run["push"] == pytest.approx(run["params"] / n), name
+        assert run["fetch"] == pytest.approx(run["params"] / n), name
+
+
+@pytest.mark.timeout(300)
+def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(script):
+    proc = script(PRELUDE + """
+keras.utils.set_random_seed(0)
+marks = {}
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, deadline=20)
+    with strategy.scope():
+        model = compile(mlp())
+    class Chaos(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            if epoch == 2:
+                cluster.restart("worker", 1)
+                marks["restarted"] = dict(strategy.stats.steps_per_worker)
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 0 and batch == 30:
+                cluster.kill("worker", 1)
+                marks["killed_alive"] = cluster.alive("worker", 1)
+    h = model.fit(digits_train(), epochs=4, steps_per_epoch=80, validation_data=digits_test(),
+                  verbose=0, callbacks=[Chaos()])
+    report(history=h.history, stats=strategy.stats.summary(), marks=marks,
+           final=dict(strategy.stats.steps_per_worker))
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    assert r["marks"]["killed_alive"] is False
+    # fit finished every epoch and every step with the surviving worker ...
+    assert len(r["history"]["loss"]) == 4 and r["stats"]["steps"] == 320
+    assert r["history"]["val_accuracy"][-1] > 0.85
+    # ... and the restarted worker ran rounds again after it came back.
+    assert r["final"]["1"] > r["marks"]["restarted"].get("1", 0)
+
+
+@pytest.mark.timeout(300)
+def test_nan_pushes_are_rejected_counted_and_reported(script):
+    proc = script(PRELUDE + """
+keras.utils.set_random_seed(0)
+x, y = datasets.digits("train", flatten=True, as_numpy=True)
+x = x.copy()
+x[::97] = np.nan         # poison every 97th example: about a third of the batches
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+    poisoned = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+    with strategy.scope():
+        model = compile(mlp())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = model.fit(poisoned, epochs=1, steps_per_epoch=30, verbose=0)
+    finite = all(bool(np.isfinite(v.numpy()).all()) for v in model.variables)
+    report(rejected=h.history["rejected_pushes"], pushes=h.history["pushes"], finite=finite,
+           warnings=[str(w.message) for w in caught if "NaN" in str(w.message)])
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == 30
+    assert r["finite"], "server parameters must stay finite"
+    assert r["warnings"] and "rejected" in r["warnings"][0]
+
+
+@pytest.mark.timeout(300)
+def test_warmstart_runs_first_steps_on_one_replica(script):
+    proc = script(PRELUDE + """
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, warmstart_steps=25)
+    with strategy.scope():
+        model = compile(mlp())
+    model.fit(digits_train(), epochs=1, steps_per_epoch=60, verbose=0)
+    report(staleness=strategy.stats.staleness)
+    os._exit(0)
+""", timeout=280)
+    staleness = _result(proc)["staleness"]
+    assert len(staleness) == 60
+    assert staleness[:25] == [0] * 25
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_killed_ps_stops_with_clear_error_and_backup_resumes(script, tmp_path):
+    backup = str(tmp_path / "backup")
+    with LocalCluster(num_workers=2, num_ps=1) as cluster:
+        spec = json.dumps(json.dumps(cluster.cluster_spec.as_dict()))
+        chief = PRELUDE + f"""
+from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+spec = json.loads({spec})
+resolver = SimpleClusterResolver(tf.train.ClusterSpec(spec), master=spec["chief"][0],
+                                 task_type="chief", task_id=0, rpc_layer="grpc")
+keras.utils.set_random_seed(0)
+strategy = tfdist_ext.DownpourStrategy(resolver, deadline=10)
+with strategy.scope():
+    model = compile(mlp())
+class KillPs(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+    def on_train_batch_end(self, batch, logs=None):
+        if os.environ.get("KILL_PS") and self.epoch == 2 and batch == 10:
+            os.kill({cluster.pid("ps", 0)}, 9)
+losses = []
+class Losses(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        losses.append((epoch, logs["loss"], model.evaluate(digits_test(), verbose=0)[0]))
+        print("EPOCH " + json.dumps(losses[-1]), flush=True)
+start = time.time()
+try:
+    model.fit(digits_train(), epochs=4, steps_per_epoch=50, verbose=0,
+              callbacks=[keras.callbacks.BackupAndRestore({backup!r}), KillPs(), Losses()])
+    report(ok=True, losses=losses, iterations=int(model.optimizer.iterations.numpy()))
+except Exception as e:
+    report(ok=False, error=type(e).__name__, message=str(e), seconds=time.time() - start,
+           losses=losses)
+os._exit(0)
+"""
+        first = _result(script(chief, timeout=200, env={"KILL_PS": "1"}))
+        assert first["ok"] is False
+        assert first["error"] == "ClusterError"
+        assert "parameter server ps:0" in first["message"] and "unreachable" in first["message"]
+        assert [e[0] for e in first["losses"]] == [0, 1]
+        cluster.restart("ps", 0)
+        second = _result(script(chief, timeout=200))
+    assert second["ok"] is True
+    # Resumed at epoch 2 from the backup (epochs 0-1 are not redone) ...
+    assert [e[0] for e in second["losses"]] == [2, 3]
+    # ... with the server's parameters and optimizer state restored: the
+    # held-out loss is no higher than at the checkpoint.
+    checkpoint_val_loss = first["losses"][-1][2]
+    assert second["losses"][0][2] <= checkpoint_val_loss + 1e-6
+    assert second["iterations"] == 200
+
+
+def test_bad_cluster_and_arguments_fail_at_construction():
+    import tensorflow as tf
+    from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
+
+    import tfdist_ext
+    from tfdist_ext.cluster import ClusterTimeoutError
+    from tfdist_ext.cluster import free_port
+
+    def resolver(spec):
+        return SimpleClusterResolver(tf.train.ClusterSpec(spec), task_type="chief", task_id=0,
+                                     rpc_layer="grpc")
+
+    addr = lambda: f"127.0.0.1:{free_port()}"  # noqa: E731
+    with pytest.raises(ValueError, match="no 'ps' job"):
+        tfdist_ext.DownpourStrategy(resolver({"chief": [addr()], "worker": [addr()]}))
+    with pytest.raises(ValueError, match="no 'worker' job"):
+        tfdist_ext.DownpourStrategy(resolver({"chief": [addr()], "ps": [addr()]}))
+    good = {"chief": [addr()], "worker": [addr()], "ps": [addr()]}
+    for kwargs, message in (({"n_fetch": 0}, "n_fetch"), ({"n_push": 1.5}, "n_push"),
+                            ({"warmstart_steps": -1}, "warmstart_steps"),
+                            ({"deadline": 0}, "deadline")):
+        with pytest.raises(ValueError, match=message):
+            tfdist_ext.DownpourStrategy(resolver(good), **kwargs)
+    # Nothing listens at these addresses: a clear error within the deadline.
+    with pytest.raises(ClusterTimeoutError, match="did not answer"):
+        tfdist_ext.DownpourStrategy(resolver(good), deadline=2)
