@@ -84,6 +84,9 @@ def test_error_feedback_state_is_per_replica(cpu_devices):
         train(strategy2.experimental_distribute_values_from_function(
             lambda ctx, grads=grads: tf.constant(grads[ctx.replica_id_in_sync_group])))
     np.testing.assert_allclose(var.numpy(), -(G[0] + G[1]), atol=1e-6)
+    strategy.reset_compression_state()
+    for r in range(2):
+        np.testing.assert_array_equal(getattr(state, f"r{r}_g0_s0").numpy(), 0.0)
 
 
 @pytest.mark.parametrize("make,ratio", [
