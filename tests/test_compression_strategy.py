@@ -1,5 +1,7 @@
 """CompressedMirroredStrategy: exact aggregation, per-replica state, bytes, fit, checkpoints."""
 
+import shutil
+
 import keras
 import numpy as np
 import pytest
@@ -7,6 +9,7 @@ import tensorflow as tf
 
 from tfdist_ext import compression as C
 from tfdist_ext import datasets
+from tfdist_ext.callbacks._compression import CompressedBackupAndRestore
 from tfdist_ext.callbacks._compression import CompressionLogger
 
 pytestmark = pytest.mark.timeout(180)
@@ -192,3 +195,46 @@ def test_residuals_survive_a_checkpoint_round_trip(cpu_devices, tmp_path):
     # Control: forgetting the residuals changes the outcome.
     assert any(not np.allclose(a, b, atol=1e-6)
                for a, b in zip(straight.get_weights(), results[False]))
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def __init__(self, at_epoch):
+        super().__init__()
+        self.at_epoch = at_epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.at_epoch:
+            raise RuntimeError("simulated preemption")
+
+
+def test_backup_and_restore_resumes_with_the_residuals(cpu_devices, tmp_path):
+    x, y = datasets.digits("train", flatten=True, as_numpy=True)
+    x, y = x[:128], y[:128]
+
+    def build():
+        strategy = _strategy(cpu_devices[:2], C.ErrorFeedback(C.TopK(0.02)))
+        keras.utils.set_random_seed(2)
+        with strategy.scope():
+            return _model()
+
+    def fit(model, callbacks):
+        model.fit(x, y, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=callbacks)
+
+    straight = build()
+    fit(straight, [])
+    backup = str(tmp_path / "backup")
+    interrupted = build()
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        fit(interrupted, [CompressedBackupAndRestore(backup), _Interrupt(2)])
+    shutil.copytree(backup, backup + "_copy")
+    resumed = build()
+    fit(resumed, [CompressedBackupAndRestore(backup)])
+    assert resumed.optimizer.iterations.numpy() == 4 * 4
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Control: Keras' own BackupAndRestore resumes without the residuals.
+    plain = build()
+    fit(plain, [keras.callbacks.BackupAndRestore(backup + "_copy")])
+    assert plain.optimizer.iterations.numpy() == 4 * 4
+    assert any(not np.allclose(a, b, atol=1e-6)
+               for a, b in zip(straight.get_weights(), plain.get_weights()))

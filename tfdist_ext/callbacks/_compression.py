@@ -50,11 +50,14 @@ class CompressionLogger(keras.callbacks.Callback):
         self._start = None
 
     def _strategy(self):
+        return self._bind(self.model)
+
+    def _bind(self, model):
         from tfdist_ext.compression._strategy import _CompressedExchange
 
         strategy = self.strategy
-        if strategy is None and self.model is not None:
-            strategy = getattr(self.model, "distribute_strategy", None)
+        if strategy is None and model is not None:
+            strategy = getattr(model, "distribute_strategy", None)
         if not isinstance(strategy, _CompressedExchange):
             raise ValueError(
                 "CompressionLogger: needs a CompressedMirroredStrategy or "
@@ -95,3 +98,63 @@ class CompressionLogger(keras.callbacks.Callback):
 
     def get_config(self):
         return {"verbose": self.verbose}
+
+
+@keras.saving.register_keras_serializable(package="tfdist_ext")
+class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
+    """``keras.callbacks.BackupAndRestore`` that also backs up the per-replica compressor state.
+
+    Keras' callback saves the model and optimizer weights; the error-feedback
+    residuals and DGC momenta of a compressed strategy live outside the model,
+    so this callback writes them next to the weights (a ``tf.train.Checkpoint``
+    of ``strategy.compression_state`` in ``backup_dir/compression_state``) and
+    restores them when
+    training resumes, before the first step creates them.
+
+    Args:
+      backup_dir: as for ``BackupAndRestore``.
+      strategy: the compressed strategy; default ``model.distribute_strategy``.
+      **kwargs: ``save_freq``, ``double_checkpoint``, ``delete_checkpoint``.
+
+    Example:
+      >>> cb = CompressedBackupAndRestore("/tmp/backup")
+      >>> model.fit(ds, epochs=10, callbacks=[cb])   # doctest: +SKIP
+    """
+
+    def __init__(self, backup_dir, strategy=None, **kwargs):
+        super().__init__(backup_dir, **kwargs)
+        self.strategy = strategy
+
+    def _compressed_strategy(self):
+        return CompressionLogger(self.strategy)._bind(self.model)
+
+    def _state_dir(self):
+        import os
+
+        return os.path.join(self.backup_dir, "compression_state")
+
+    def _checkpoint(self):
+        import tensorflow as tf
+
+        strategy = self._compressed_strategy()
+        return tf.train.Checkpoint(compression=strategy.compression_state)
+
+    def _load_model(self):
+        super()._load_model()
+        import tensorflow as tf
+
+        latest = tf.train.latest_checkpoint(self._state_dir())
+        if latest:
+            self._checkpoint().restore(latest)
+
+    def _save_model(self):
+        super()._save_model()
+        import tensorflow as tf
+
+        ckpt = self._checkpoint()
+        tf.train.CheckpointManager(ckpt, self._state_dir(), max_to_keep=2).save()
+
+    def get_config(self):
+        return {"backup_dir": self.backup_dir, "save_freq": self.save_freq,
+                "double_checkpoint": self.double_checkpoint,
+                "delete_checkpoint": self.delete_checkpoint}

@@ -80,14 +80,14 @@ def get(identifier, **kwargs):
 
 def __getattr__(name):
     # Lazy: the callback lives in tfdist_ext.callbacks (another package).
-    if name == "CompressionLogger":
-        from tfdist_ext.callbacks._compression import CompressionLogger
-        return CompressionLogger
+    if name in ("CompressionLogger", "CompressedBackupAndRestore"):
+        from tfdist_ext.callbacks import _compression
+        return getattr(_compression, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "BF16", "CompressionLogger", "CompressedMirroredStrategy", "CompressedMultiWorkerMirroredStrategy",
+    "BF16", "CompressedBackupAndRestore", "CompressionLogger", "CompressedMirroredStrategy", "CompressedMultiWorkerMirroredStrategy",
     "CompressionState", "Compressor", "DGC", "EFSignSGD", "ErrorFeedback", "FP16",
     "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD",
     "TernGrad", "Threshold", "TopK", "get",
