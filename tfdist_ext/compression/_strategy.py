@@ -14,6 +14,7 @@ sync batch-norm, user code) is left dense.
 """
 
 import threading
+import weakref
 
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
@@ -52,7 +53,8 @@ class CompressionState(tf.Module):
     """The per-replica compressor state of a strategy, as a checkpointable object.
 
     One variable per replica, gradient and state tensor, named
-    ``r{replica}_g{gradient}_s{index}``. Add it to a checkpoint next to the
+    ``r{replica}_g{gradient}_s{index}`` (``r{replica}_o{k}_g...`` for the
+    k-th further optimizer trained under the same strategy). Add it to a checkpoint next to the
     model and optimizer; it restores on creation if the checkpoint is read
     before the first step.
 
@@ -65,7 +67,7 @@ class CompressionState(tf.Module):
         super().__init__(name="compression_state")
 
     def slot_names(self):
-        return sorted(k for k in vars(self) if k.startswith("r") and "_g" in k)
+        return sorted(k for k in vars(self) if k.startswith("r") and "_s" in k)
 
 
 def _local_variable(value, name):
@@ -91,6 +93,7 @@ class _CompressedExchange:
         self._compression_state = CompressionState()
         self._state_lock = threading.Lock()
         self._state_slots = {}
+        self._optimizers = weakref.WeakKeyDictionary()
         self._counters = None
         _install_keras_hook()
 
@@ -122,9 +125,18 @@ class _CompressedExchange:
                 self._counters = counters
         return self._counters
 
-    def _state_variables(self, replica, index, shape, dtype):
+    def _optimizer_prefix(self, optimizer):
+        # State names must be stable across processes (checkpoints): the first
+        # optimizer that uses the strategy gets plain names, later ones "o1_"...
+        with self._state_lock:
+            if optimizer not in self._optimizers:
+                self._optimizers[optimizer] = len(self._optimizers)
+            n = self._optimizers[optimizer]
+        return f"o{n}_" if n else ""
+
+    def _state_variables(self, replica, index, shape, dtype, prefix=""):
         """The state variables (a nest like ``compressor.init``) of one replica and gradient."""
-        key = (index, tuple(shape), tf.as_dtype(dtype).name)
+        key = (prefix, index, tuple(shape), tf.as_dtype(dtype).name)
         with self._state_lock:
             if key not in self._state_slots:
                 slots = []
@@ -135,7 +147,7 @@ class _CompressedExchange:
                             flat = tf.nest.flatten(init)
                             made = []
                             for j, value in enumerate(flat):
-                                name = f"r{r}_g{index}_s{j}"
+                                name = f"r{r}_{prefix}g{index}_s{j}"
                                 var = _local_variable(value, name)
                                 setattr(self._compression_state, name, var)
                                 made.append(var)
@@ -172,7 +184,7 @@ class _CompressedExchange:
         Example:
           >>> strategy.reset_compression_state()   # doctest: +SKIP
         """
-        for (_, shape, dtype), slots in self._state_slots.items():
+        for (_, _, shape, dtype), slots in self._state_slots.items():
             for state_vars in slots:
                 init = self._compression.init(shape, dtype)
                 self._write(state_vars, init)
@@ -207,11 +219,12 @@ class _CompressedExchange:
         if not live:
             raise ValueError("No gradients provided for any variable")
         states = []
+        prefix = self._optimizer_prefix(optimizer)
         for i, g in live:
             if isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
             compressor.check_dtype(g.dtype)
-            states.append(self._state_variables(replica, i, g.shape, g.dtype))
+            states.append(self._state_variables(replica, i, g.shape, g.dtype, prefix))
         grads = [tf.convert_to_tensor(g) for _, g in live]
         dense_bytes = sum(4 * g.shape.num_elements() for g in grads)
 
