@@ -238,3 +238,29 @@ def test_backup_and_restore_resumes_with_the_residuals(cpu_devices, tmp_path):
     assert plain.optimizer.iterations.numpy() == 4 * 4
     assert any(not np.allclose(a, b, atol=1e-6)
                for a, b in zip(straight.get_weights(), plain.get_weights()))
+
+
+def test_only_the_wire_form_is_exchanged(cpu_devices):
+    """The traced step all-gathers the wire tensors and never all-reduces a gradient."""
+    strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=C.TopK(0.01))
+    with strategy.scope():
+        var = keras.Variable(np.zeros((100, 50), np.float32))
+        opt = keras.optimizers.SGD(1.0)
+        opt.build([var])
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.ones((100, 50)))
+
+    @tf.function
+    def train(g):
+        strategy.run(lambda g: opt.apply([g], [var]), args=(g,))
+
+    ops = train.get_concrete_function(values).graph.get_operations()
+    kinds = {op.type for op in ops}
+    assert "CollectiveGatherV2" in kinds   # float32 values: collective all-gather
+    assert not any("Reduce" in k and "Collective" in k for k in kinds)
+    assert not any(k.startswith("Nccl") for k in kinds)
+    gathered = [op.inputs[0] for op in ops if op.type == "CollectiveGatherV2"
+                and op.inputs[0].dtype == tf.float32]
+    # One gather per replica, each of the 50 selected values (not 5000).
+    assert len(gathered) == 2
+    assert all(t.shape.num_elements() in (None, 50) for t in gathered)
