@@ -62,8 +62,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
             seen.append((batch, float(logs["loss"])))
         def on_epoch_end(self, epoch, logs=None):
             seen.append(("epoch", logs["staleness_mean"], logs["staleness_max"]))
+    checkpoint = keras.callbacks.ModelCheckpoint({str(tmp_path / "ckpt.keras")!r})
     history = model.fit(digits_train(), epochs=3, steps_per_epoch=60,
-                        validation_data=digits_test(), callbacks=[Watch()], verbose=0)
+                        validation_data=digits_test(), callbacks=[Watch(), checkpoint], verbose=0)
     loss, acc = model.evaluate(digits_test(), verbose=0)
     x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
     logits = model.predict(x_test, verbose=0)
@@ -79,6 +80,10 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
            stats=strategy.stats.summary(), per_worker=strategy.stats.steps_per_worker)
     reloaded = keras.models.load_model({str(tmp_path / "m.keras")!r})
     np.testing.assert_allclose(reloaded.predict(x_test, verbose=0), logits, rtol=1e-5, atol=1e-5)
+    # ModelCheckpoint wrote the server's parameters after the last epoch.
+    checkpointed = keras.models.load_model({str(tmp_path / "ckpt.keras")!r})
+    np.testing.assert_allclose(checkpointed.predict(x_test, verbose=0), logits, rtol=1e-5, atol=1e-5)
+    assert int(checkpointed.optimizer.iterations.numpy()) > 0
     print("RELOADED_OK", flush=True)
     os._exit(0)
 """, timeout=280)

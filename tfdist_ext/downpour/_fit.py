@@ -25,6 +25,7 @@ import contextlib
 import functools
 import time
 import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -146,8 +147,6 @@ class _TrainFunction:
         self.strategy = strategy
         self.coordinator = strategy.coordinator
         self._round = None
-        self._worker_index = None
-        self._per_worker = []
         self._current = None
         self._pending = 0
         self._ahead = 0
@@ -224,16 +223,15 @@ class _TrainFunction:
         if steps <= 0:
             return
         if self._round is None:
-            self._round = _build_round(self.model, self.strategy)
+            self._round = _cached_round(self.model, self.strategy)
         # Keep the coordinator's queue short so that every wait is ours, with
         # a deadline, rather than a blocking schedule() call.
         limit = 2 * self.strategy.num_workers
         self._wait(lambda: len(self._inflight) < limit)
-        if self._worker_index is None:
-            self._worker_index = _per_worker_index(self.strategy)
         remote = self.coordinator.schedule(
             self._round.function,
-            args=(self._current, self._worker_index, tf.constant(steps, tf.int32)),
+            args=(self._current, _cached_worker_index(self.strategy),
+                  tf.constant(steps, tf.int32)),
         )
         self._inflight.append(remote)
 
@@ -324,11 +322,15 @@ class _TrainFunction:
     # -- data ----------------------------------------------------------------
 
     def _per_worker_iterator(self, dataset):
-        for source, per_worker in self._per_worker:
+        # Cached on the strategy: successive fit() calls on the same data
+        # continue the same per-worker shards instead of rebuilding them.
+        cache = self.strategy._per_worker_iterators
+        for source, per_worker in cache:
             if source is dataset:
                 return per_worker
         per_worker = _per_worker_iterator(self.strategy, dataset)
-        self._per_worker.append((dataset, per_worker))
+        cache.append((dataset, per_worker))
+        del cache[:-_MAX_SOURCES]
         return per_worker
 
     # -- logs ----------------------------------------------------------------
@@ -384,6 +386,22 @@ def _per_worker_iterator(strategy, dataset):
     return coordinator_values.PerWorkerDistributedIterator(tuple(remotes))
 
 
+def _cached_worker_index(strategy):
+    if strategy._worker_index is None:
+        strategy._worker_index = _per_worker_index(strategy)
+    return strategy._worker_index
+
+
+def _cached_round(model, strategy):
+    """One traced round function per (model, optimizer, n_fetch, n_push)."""
+    key = (id(model), id(model.optimizer), strategy.n_fetch, strategy.n_push)
+    entry = strategy._rounds.get(key)
+    if entry is None or entry[0]() is not model:
+        entry = (weakref.ref(model), _build_round(model, strategy))
+        strategy._rounds[key] = entry
+    return entry[1]
+
+
 def _per_worker_index(strategy):
     """Each worker's task index, as a value resolved on that worker."""
     from tensorflow.python.distribute.coordinator import values as coordinator_values
@@ -413,10 +431,12 @@ def _build_round(model, strategy):
     if not trainable:
         raise ValueError("DownpourStrategy: the model has no trainable weights")
     n_fetch, n_push = strategy.n_fetch, strategy.n_push
-    with strategy.scope():
-        version = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                              name="downpour_server_version")
-    strategy._server_version = version
+    if strategy._server_version is None:
+        with strategy.scope():
+            strategy._server_version = tf.Variable(
+                tf.constant(0, tf.int64), trainable=False, name="downpour_server_version"
+            )
+    version = strategy._server_version
     param_bytes = sum(_nbytes(v) for v in trainable)
     nt_bytes = sum(_nbytes(v) for v in non_trainable)
 

@@ -154,6 +154,10 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         self.coordinator = cluster_coordinator.ClusterCoordinator(self)
         self.stats = DownpourStats()
         self._sources = []
+        self._per_worker_iterators = []
+        self._rounds = {}
+        self._worker_index = None
+        self._server_version = None
         _fit.install()
         _make_sharded_variables_readable()
 

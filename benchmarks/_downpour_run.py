@@ -1,0 +1,166 @@
+"""One measured run for the ``downpour`` benchmark, in its own process (internal).
+
+``python -m benchmarks._downpour_run '{"task": "...", ...}'`` prints one line
+``RESULT {json}``. Each run is a fresh interpreter: a process connects to one
+TensorFlow cluster only, and logical CPU devices are fixed per process.
+"""
+
+import json
+import os
+import sys
+import time
+
+TARGETS = {"digits": 0.95, "mnist1d": 0.60}
+
+
+def _data(name, seed):
+    from tfdist_ext import datasets
+
+    if name == "digits":
+        return (datasets.digits("train", flatten=True), datasets.digits("test", flatten=True), 64)
+    return (datasets.mnist1d("train"), datasets.mnist1d("test"), 40)
+
+
+def _mlp(keras, inputs, hidden):
+    return keras.Sequential([
+        keras.Input((inputs,)),
+        keras.layers.Dense(hidden, activation="relu"),
+        keras.layers.Dense(hidden, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def _cnn(keras):
+    return keras.Sequential([
+        keras.Input((28, 28, 1)),
+        keras.layers.Conv2D(16, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(32, 3, activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(10),
+    ])
+
+
+def _compile(keras, model, lr):
+    model.compile(
+        optimizer=keras.optimizers.Adagrad(lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def _strategy(cfg):
+    """(strategy or None, cluster or None) for the configured system."""
+    system = cfg["system"]
+    if system == "mirrored":
+        from tfdist_ext.cluster import logical_cpus
+
+        import tensorflow as tf
+
+        return tf.distribute.MirroredStrategy(logical_cpus(2)), None
+    if system == "keras":
+        return None, None
+    import tfdist_ext
+    from tfdist_ext.cluster import LocalCluster
+
+    cluster = LocalCluster(num_workers=cfg["workers"], num_ps=1, intra_op_threads=1).start()
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
+    return strategy, cluster
+
+
+def time_to_accuracy(cfg):
+    import keras
+    import tensorflow as tf
+
+    if cfg["system"] == "keras":
+        tf.config.threading.set_intra_op_parallelism_threads(2)
+    strategy, cluster = _strategy(cfg)
+    keras.utils.set_random_seed(cfg["seed"])
+    train, test, inputs = _data(cfg["dataset"], cfg["seed"])
+    replicas = 2 if cfg["system"] == "mirrored" else 1
+    batch = 32 * replicas
+    train = train.shuffle(4096, seed=cfg["seed"]).batch(batch).repeat()
+    test = test.batch(500).cache()
+    scope = strategy.scope() if strategy else _null()
+    with scope:
+        model = _compile(keras, _mlp(keras, inputs, cfg["hidden"]), cfg["lr"])
+    target = TARGETS[cfg["dataset"]]
+    trained, curve, reached = 0.0, [], None
+    while trained < cfg["budget"]:
+        start = time.perf_counter()
+        model.fit(train, epochs=1, steps_per_epoch=cfg["chunk"], verbose=0)
+        trained += time.perf_counter() - start
+        accuracy = float(model.evaluate(test, verbose=0)[1])
+        curve.append([round(trained, 3), accuracy])
+        if reached is None and accuracy >= target:
+            reached = trained
+    out = {"seconds_to_target": reached, "final_accuracy": curve[-1][1], "curve": curve,
+           "target": target}
+    if cfg["system"] == "downpour":
+        summary = strategy.stats.summary()
+        out.update(push_bytes_per_step=summary["push_bytes_per_step"],
+                   fetch_bytes_per_step=summary["fetch_bytes_per_step"],
+                   staleness=strategy.stats.staleness,
+                   steps_per_worker=strategy.stats.steps_per_worker)
+    if cluster:
+        _exit(out)
+    return out
+
+
+def throughput(cfg):
+    import keras
+    import tensorflow as tf
+
+    from tfdist_ext import datasets
+
+    if cfg["system"] == "keras":
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+        tf.config.threading.set_inter_op_parallelism_threads(2)
+    strategy, cluster = _strategy(cfg)
+    keras.utils.set_random_seed(cfg["seed"])
+    shape = (784,) if cfg["model"] == "mlp" else (28, 28, 1)
+    batch = 64
+    train = datasets.synthetic(batch * 32, input_shape=shape, seed=cfg["seed"]).batch(batch).repeat()
+    scope = strategy.scope() if strategy else _null()
+    with scope:
+        model = _mlp(keras, 784, 512) if cfg["model"] == "mlp" else _cnn(keras)
+        _compile(keras, model, 0.01)
+    model.fit(train, epochs=1, steps_per_epoch=cfg["steps"] // 4, verbose=0)   # warm-up
+    start = time.perf_counter()
+    model.fit(train, epochs=1, steps_per_epoch=cfg["steps"], verbose=0)
+    seconds = time.perf_counter() - start
+    out = {"examples_per_second": batch * cfg["steps"] / seconds, "seconds": seconds}
+    if cluster:
+        out["steps_per_worker"] = strategy.stats.steps_per_worker
+        _exit(out)
+    return out
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _exit(out):
+    # Leave without tearing down the eager context of a connected cluster
+    # (TensorFlow logs noisy RPC errors at interpreter exit otherwise); the
+    # cluster's tasks exit with us.
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)
+
+
+def main():
+    cfg = json.loads(sys.argv[1])
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    out = {"time_to_accuracy": time_to_accuracy, "throughput": throughput}[cfg["task"]](cfg)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

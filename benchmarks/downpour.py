@@ -1,0 +1,156 @@
+"""``downpour``: DownpourStrategy against synchronous and single-process peers.
+
+Every run is its own process (``benchmarks/_downpour_run.py``) on a fresh
+``LocalCluster`` where one is needed; runs of the systems being compared are
+interleaved round by round and summarised by medians.
+
+* throughput: examples/second with 1 and 2 workers (each worker one intra-op
+  thread, the ps its own process), MLP and small CNN, batch 64 per worker;
+* time to accuracy on MNIST-1D and on the bundled digits: training seconds
+  until held-out accuracy reaches a fixed target, and the accuracy reached
+  within the same training-time budget, for Downpour (2 workers, n_fetch =
+  n_push = 1 and 5), MirroredStrategy (2 logical CPUs) and plain Keras;
+* communication: bytes pushed and fetched per step, counted from the tensors
+  each round sends and receives, for n = 1, 5 (and 10 in the full run);
+* staleness: the distribution over every push of the Downpour runs.
+"""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+from benchmarks import _harness
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cfg, timeout=900):
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks._downpour_run", json.dumps(cfg)],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdin=subprocess.DEVNULL,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"benchmark run {cfg} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def _interleave(configs, repeats):
+    """Runs every config once per round, rotating the order; returns samples."""
+    samples = {name: [] for name in configs}
+    names = list(configs)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            samples[name].append(_run(configs[name]))
+    return samples
+
+
+def run(quick=False, seed=0):
+    repeats = 1 if quick else 3
+    figures, rows, notes = [], [], []
+    staleness = []
+
+    # -- throughput ---------------------------------------------------------
+    steps = 40 if quick else 300
+    scale_rows = []
+    for model in ("mlp", "cnn"):
+        configs = {
+            "keras-1thread": dict(task="throughput", system="keras", model=model, steps=steps, seed=seed),
+            "downpour-1w": dict(task="throughput", system="downpour", workers=1, n=1, model=model,
+                                steps=steps, seed=seed),
+            "downpour-2w": dict(task="throughput", system="downpour", workers=2, n=1, model=model,
+                                steps=steps, seed=seed),
+        }
+        samples = _interleave(configs, repeats)
+        eps = {k: [s["examples_per_second"] for s in v] for k, v in samples.items()}
+        for system, values in eps.items():
+            figures.append(_harness.figure(model, system, "throughput", "examples/s", values,
+                                           batch_per_worker=64, steps=steps))
+        one, two = _harness.median(eps["downpour-1w"]), _harness.median(eps["downpour-2w"])
+        scale_rows.append([model, _harness.median(eps["keras-1thread"]), one, two, two / one])
+
+    # -- time to accuracy, communication, staleness -----------------------
+    budget = {"digits": 6 if quick else 25, "mnist1d": 8 if quick else 40}
+    chunk = {"digits": 50, "mnist1d": 100}
+    tta_rows = []
+    comm = collections.defaultdict(dict)
+    for dataset in ("mnist1d", "digits"):
+        base = dict(task="time_to_accuracy", dataset=dataset, seed=seed, hidden=256, lr=0.05,
+                    budget=budget[dataset], chunk=chunk[dataset], workers=2)
+        configs = {
+            "keras": dict(base, system="keras", n=1),
+            "mirrored-2": dict(base, system="mirrored", n=1),
+            "downpour-2w-n1": dict(base, system="downpour", n=1),
+            "downpour-2w-n5": dict(base, system="downpour", n=5),
+        }
+        if not quick:
+            configs["downpour-2w-n10"] = dict(base, system="downpour", n=10)
+        samples = _interleave(configs, repeats)
+        target = next(iter(samples.values()))[0]["target"]
+        for system, runs in samples.items():
+            reached = [r["seconds_to_target"] for r in runs]
+            hit = [t for t in reached if t is not None]
+            final = [r["final_accuracy"] for r in runs]
+            figures.append(_harness.figure(dataset, system, "seconds_to_target", "s",
+                                           hit or [float("nan")], target_accuracy=target,
+                                           reached_in=f"{len(hit)}/{len(runs)}",
+                                           budget_seconds=budget[dataset],
+                                           curves=[r["curve"] for r in runs]))
+            figures.append(_harness.figure(dataset, system, "final_accuracy", "fraction", final,
+                                           budget_seconds=budget[dataset]))
+            median_hit = _harness.median(hit) if len(hit) * 2 > len(runs) else None
+            tta_rows.append([dataset, system, target,
+                             f"{median_hit:.1f}" if median_hit is not None else
+                             f"not reached ({len(hit)}/{len(runs)})",
+                             _harness.median(final)])
+            if system.startswith("downpour"):
+                n = int(system.rsplit("n", 1)[1])
+                comm[n][dataset] = (
+                    _harness.median([r["push_bytes_per_step"] for r in runs]),
+                    _harness.median([r["fetch_bytes_per_step"] for r in runs]),
+                )
+                for r in runs:
+                    staleness.extend(r["staleness"])
+                    figures.append({"case": dataset, "system": system, "metric": "staleness_histogram",
+                                    "unit": "pushes per staleness value",
+                                    "median": float(np.median(r["staleness"])),
+                                    "histogram": np.bincount(r["staleness"]).tolist()})
+
+    comm_rows = []
+    for n in sorted(comm):
+        push, fetch = comm[n]["mnist1d"]
+        comm_rows.append([n, push, fetch, comm[1]["mnist1d"][0] / push])
+        figures.append(_harness.figure("mnist1d", f"downpour-2w-n{n}", "push_bytes_per_step",
+                                       "bytes/step", [push]))
+        figures.append(_harness.figure("mnist1d", f"downpour-2w-n{n}", "fetch_bytes_per_step",
+                                       "bytes/step", [fetch]))
+    hist = np.bincount(staleness) if staleness else np.zeros(1, int)
+    stale_row = ", ".join(f"{k}: {v}" for k, v in enumerate(hist.tolist()) if v)
+
+    rows = []
+    rows.append(["**throughput (ex/s)**", "keras 1 thread", "downpour 1 worker", "downpour 2 workers",
+                 "2w / 1w"])
+    rows.extend(scale_rows)
+    rows.append(["**time to accuracy**", "system", "target", "seconds to target (median)",
+                 "final accuracy in budget"])
+    rows.extend(tta_rows)
+    rows.append(["**communication (MNIST-1D MLP)**", "n_fetch = n_push", "push bytes/step",
+                 "fetch bytes/step", "reduction vs n=1"])
+    rows.extend([["", *r] for r in comm_rows])
+    notes.append(f"staleness over {len(staleness)} pushes (value: count): {stale_row}; "
+                 f"mean {np.mean(staleness) if staleness else 0:.2f}, max {hist.size - 1}")
+    notes.append(f"{repeats} interleaved repeat(s) per system; seed {seed}; training-time budgets "
+                 f"{budget} s; batch 32 per replica, Adagrad(0.05), MLP 256-256")
+    notes.append("2-core machine: chief, ps and workers share the two cores with each other")
+    return {
+        "candidate": "tfdist_ext.DownpourStrategy (asynchronous, LocalCluster on 127.0.0.1)",
+        "peer": "plain Keras model.fit in one process; tf.distribute.MirroredStrategy on 2 logical CPUs",
+        "figures": figures,
+        "table": {"columns": ["section / model", "a", "b", "c", "d"], "rows": rows},
+        "notes": notes,
+    }
