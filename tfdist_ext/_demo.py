@@ -8,6 +8,7 @@ same model trained for the same number of steps in one process.
 
 import argparse
 import os
+import sys
 import time
 
 
@@ -80,5 +81,6 @@ def main(argv=None):
         print(f"   single-process Keras      : {baseline:.4f}  ({baseline_seconds:.1f}s, same steps)")
         # Leave at once: tearing down the connection to the stopped cluster
         # only makes TensorFlow log RPC errors.
+        sys.stdout.flush()
         os._exit(0)
     return 0

@@ -41,6 +41,7 @@ Seeds: data split 0, model seed 0.
 
 import argparse
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -114,6 +115,7 @@ def main(argv=None):
         print(f"Saved and reloaded outside the cluster: accuracy "
               f"{reloaded.evaluate(test, verbose=0)[1]:.4f}")
         # Leave without tearing down the connection to a stopped cluster.
+        sys.stdout.flush()
         os._exit(0)
 
 
