@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from benchmarks import _harness
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)   # benchmarks/ is a folder of the repository, not installed
+
+from benchmarks import _harness  # noqa: E402
 
 
 def test_interleaved_rotates_order_and_discards_warmup():
