@@ -306,3 +306,43 @@ def test_bad_cluster_and_arguments_fail_at_construction():
     # Nothing listens at these addresses: a clear error within the deadline.
     with pytest.raises(ClusterTimeoutError, match="did not answer"):
         tfdist_ext.DownpourStrategy(resolver(good), deadline=2)
+
+
+@pytest.mark.timeout(300)
+def test_compressed_pushes_send_the_wire_form(script):
+    proc = script(PRELUDE + """
+from tfdist_ext import compression
+keras.utils.set_random_seed(0)
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(
+        cluster.resolver, compression=compression.ErrorFeedback(compression.TopK(0.05)))
+    with strategy.scope():
+        model = compile(mlp(128))
+    h = model.fit(digits_train(), epochs=3, steps_per_epoch=60, validation_data=digits_test(),
+                  verbose=0)
+    dense = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+    # Where the traced round decompresses: the scatter that rebuilds the
+    # dense gradient runs on the ps task, so only values + indices cross.
+    (round_fn,) = [entry[1].function for entry in strategy._rounds.values()]
+    graphs = [f.graph for f in round_fn._list_all_concrete_functions()]
+    scatters = set()
+    def walk(graph):
+        for op in graph.get_operations():
+            if op.type == "ScatterNd":
+                scatters.add(op.device)
+        for f in graph._functions.values():
+            walk(f.graph)
+    for g in graphs:
+        walk(g)
+    report(push=h.history["push_bytes_per_step"], dense=dense, val=h.history["val_accuracy"],
+           scatters=sorted(scatters))
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    # TopK(0.05) sends 5% of the entries as float32 values + int32 indices.
+    assert all(0.08 * r["dense"] <= p <= 0.12 * r["dense"] for p in r["push"]), r
+    assert r["val"][-1] > 0.85
+    # The server-side rebuild is on the ps task; the worker's own scatter
+    # (device unset, the worker's) is error feedback computing its residual.
+    assert "/job:ps/replica:0/task:0/device:CPU:0" in r["scatters"], r["scatters"]
+    assert all(d in ("", "/job:ps/replica:0/task:0/device:CPU:0") for d in r["scatters"])

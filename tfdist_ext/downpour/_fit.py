@@ -394,7 +394,8 @@ def _cached_worker_index(strategy):
 
 def _cached_round(model, strategy):
     """One traced round function per (model, optimizer, n_fetch, n_push)."""
-    key = (id(model), id(model.optimizer), strategy.n_fetch, strategy.n_push)
+    key = (id(model), id(model.optimizer), strategy.n_fetch, strategy.n_push,
+           id(strategy.compression))
     entry = strategy._rounds.get(key)
     if entry is None or entry[0]() is not model:
         entry = (weakref.ref(model), _build_round(model, strategy))
@@ -464,8 +465,12 @@ def _build_round(model, strategy):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads
 
+    push, state_vars = _make_push(strategy, optimizer, trainable, param_bytes)
+
     @tf.function
     def round_fn(iterator, worker, num_steps):
+        state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
+        sent = tf.constant(0, tf.int64)
         params, fetched = fetch()
         accum = [tf.zeros_like(p) for p in params]
         fetches = tf.constant(1, tf.int64)
@@ -481,11 +486,9 @@ def _build_round(model, strategy):
             grads = strategy.run(local_step, args=(params, x, y, sample_weight))
             accum = [a + g for a, g in zip(accum, grads)]
             if (i + 1) % n_push == 0 or i + 1 == num_steps:
-                finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(a)) for a in accum])
-                if finite:
-                    # Cross-replica context: each variable's update runs on
-                    # the ps task that owns it (extended.update colocates).
-                    optimizer.apply_gradients(zip(accum, trainable))
+                accepted, state, nbytes = push(accum, state, version.read_value())
+                sent += nbytes
+                if accepted:
                     before = version.assign_add(1) - 1
                     staleness = staleness.write(staleness.size(), before - fetched)
                     pushes += 1
@@ -493,6 +496,12 @@ def _build_round(model, strategy):
                     rejected += 1
                 accum = [tf.zeros_like(a) for a in accum]
         steps = tf.cast(num_steps, tf.int64)
+        # Per-worker compressor state (error-feedback residuals, momenta)
+        # carries over to this worker's next round. PerWorkerVariables get
+        # no automatic control dependencies: tie the writes to the outputs.
+        saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
+        with tf.control_dependencies(saved):
+            steps = tf.identity(steps)
         return {
             "worker": worker,
             "steps": steps,
@@ -500,11 +509,80 @@ def _build_round(model, strategy):
             "fetches": fetches,
             "rejected": rejected,
             "staleness": staleness.stack(),
-            "push_bytes": (pushes + rejected) * param_bytes,
+            "push_bytes": sent,
             "fetch_bytes": fetches * param_bytes + steps * 2 * nt_bytes,
         }
 
     return _Round(round_fn)
+
+
+def _make_push(strategy, optimizer, trainable, param_bytes):
+    """``push(accum, state, step) -> (accepted, state, bytes_sent)`` and the state variables.
+
+    The server checks every push: each ``ps`` task tests the gradient of the
+    variables it owns for NaN/Inf, and the optimizer is applied only if all
+    are finite. Without compression the dense gradient is what crosses the
+    wire and the optimizer's per-variable updates run on the owning ``ps``
+    task. With a compressor the worker sends the compressed wire form, the
+    owning ``ps`` task decompresses it, and the compressor's state
+    (error-feedback residuals, DGC momenta) stays on the worker in
+    per-worker variables; a rejected push leaves that state unchanged.
+    """
+    from tensorflow.python.distribute import sharded_variable
+
+    compressor = strategy.compression
+
+    def home(variable):
+        value = variable.value
+        if isinstance(value, sharded_variable.ShardedVariable):
+            return None           # split: checked and decompressed on the worker
+        return value.device
+
+    def apply(grads):
+        # Cross-replica context: each variable's update runs on the ps task
+        # that owns it (extended.update colocates).
+        optimizer.apply_gradients(zip(grads, trainable))
+        return tf.constant(True)
+
+    def checked_apply(grads):
+        checks = []
+        for g, v in zip(grads, trainable):
+            with tf.device(home(v)):
+                checks.append(tf.reduce_all(tf.math.is_finite(g)))
+        accepted = tf.reduce_all(checks)
+        return tf.cond(accepted, lambda: apply(grads), lambda: tf.constant(False))
+
+    if compressor is None:
+        def push(accum, state, step):
+            return checked_apply(accum), state, tf.constant(param_bytes, tf.int64)
+
+        return push, []
+
+    with strategy.scope():
+        state_vars = [
+            tf.nest.map_structure(
+                lambda t: tf.Variable(t, trainable=False, per_worker_variable=True),
+                compressor.init(v.shape, v.dtype),
+            )
+            for v in trainable
+        ]
+
+    def push(accum, state, step):
+        wires, candidate = [], []
+        for a, s in zip(accum, state):
+            wire, s = compressor.compress(a, s, step)
+            wires.append(wire)
+            candidate.append(s)
+        grads = []
+        for wire, v, a in zip(wires, trainable, accum):
+            with tf.device(home(v)):
+                grads.append(compressor.decompress(wire, a.shape, a.dtype))
+        accepted = checked_apply(grads)
+        if tf.nest.flatten(candidate):
+            state = tf.cond(accepted, lambda: candidate, lambda: state)
+        return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
+
+    return push, state_vars
 
 
 def _nbytes(variable):

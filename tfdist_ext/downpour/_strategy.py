@@ -77,6 +77,11 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
       min_shard_bytes: variables at least this large are split across the
         ``ps`` tasks.
       deadline: seconds any wait on another task may take before it fails.
+      compression: a ``tfdist_ext.compression`` compressor (or its name, e.g.
+        ``"ef_topk"``) applied to every push: the worker sends the compressed
+        wire form, the ``ps`` task owning each variable decompresses it, and
+        the compressor's state (error-feedback residuals, DGC momenta) stays
+        on the worker. ``push_bytes_per_step`` then counts the wire tensors.
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
@@ -99,6 +104,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         warmstart_steps=0,
         min_shard_bytes=256 << 10,
         deadline=60.0,
+        compression=None,
     ):
         self.n_fetch = n_fetch
         self.n_push = n_push
@@ -109,6 +115,11 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
                 f"DownpourStrategy: deadline must be > 0 seconds, got {deadline!r}"
             )
         self.deadline = float(deadline)
+        if compression is not None:
+            from tfdist_ext import compression as compression_lib
+
+            compression = compression_lib.get(compression)
+        self.compression = compression
         spec = cluster_resolver.cluster_spec().as_dict()
         for job in ("ps", "worker"):
             if not spec.get(job):
@@ -222,6 +233,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
             "warmstart_steps": self.warmstart_steps,
             "min_shard_bytes": self.min_shard_bytes,
             "deadline": self.deadline,
+            "compression": None if self.compression is None else repr(self.compression),
         }
 
 
