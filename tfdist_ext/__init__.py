@@ -1,10 +1,19 @@
 """tfdist_ext: classic distributed deep learning for TensorFlow 2.21 and Keras 3.
 
+Strategies (``DownpourStrategy``, ``CompressedMirroredStrategy``,
+``CompressedMultiWorkerMirroredStrategy``, ``ModelParallelStrategy``) and the
+subpackages ``downpour``, ``compression``, ``schedules``, ``callbacks``,
+``layers``, ``recipes`` and ``model_parallel`` import TensorFlow, so they are
+loaded on first use; ``tfdist_ext.cluster`` and ``tfdist_ext.datasets`` are
+light.
+
 Example:
   >>> import tfdist_ext
-  >>> with tfdist_ext.cluster.LocalCluster(num_workers=2, num_ps=1) as c:  # doctest: +SKIP
-  ...     print(c.ping())
+  >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as c:  # doctest: +SKIP
+  ...     strategy = tfdist_ext.DownpourStrategy(c.resolver, n_fetch=5, n_push=5)
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
@@ -12,19 +21,32 @@ from tfdist_ext import cluster
 from tfdist_ext import datasets
 from tfdist_ext.cluster import LocalCluster
 
+_SUBPACKAGES = ("callbacks", "compression", "downpour", "layers", "model_parallel",
+                "recipes", "schedules")
+_NAMES = {
+    "DownpourStrategy": "tfdist_ext.downpour",
+    "CompressedMirroredStrategy": "tfdist_ext.compression",
+    "CompressedMultiWorkerMirroredStrategy": "tfdist_ext.compression",
+    "ModelParallelStrategy": "tfdist_ext.model_parallel",
+    "LinearScaling": "tfdist_ext.schedules",
+    "LinearScalingWarmup": "tfdist_ext.callbacks",
+    "IndependentBatchNormalization": "tfdist_ext.layers",
+    "apply_goyal_recipe": "tfdist_ext.recipes",
+}
+
 
 def __getattr__(name):
-    # Strategies import TensorFlow: load them on first use so that
-    # `tfdist-ext server` can report a bad TF_CONFIG without that cost.
-    if name == "DownpourStrategy":
-        from tfdist_ext.downpour import DownpourStrategy
-
-        return DownpourStrategy
-    if name == "downpour":
-        import importlib
-
-        return importlib.import_module("tfdist_ext.downpour")
+    # Lazy: `tfdist-ext server` must report a bad TF_CONFIG without first
+    # paying for a TensorFlow import.
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tfdist_ext.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(_NAMES[name]), name)
     raise AttributeError(f"module 'tfdist_ext' has no attribute {name!r}")
 
 
-__all__ = ["DownpourStrategy", "LocalCluster", "cluster", "datasets", "downpour", "__version__"]
+def __dir__():
+    return sorted(set(globals()) | set(_SUBPACKAGES) | set(_NAMES))
+
+
+__all__ = ["LocalCluster", "cluster", "datasets", "__version__", *_SUBPACKAGES, *_NAMES]
