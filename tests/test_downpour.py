@@ -300,7 +300,10 @@ def test_bad_cluster_and_arguments_fail_at_construction():
     good = {"chief": [addr()], "worker": [addr()], "ps": [addr()]}
     for kwargs, message in (({"n_fetch": 0}, "n_fetch"), ({"n_push": 1.5}, "n_push"),
                             ({"warmstart_steps": -1}, "warmstart_steps"),
-                            ({"deadline": 0}, "deadline")):
+                            ({"deadline": 0}, "deadline"),
+                            ({"model_devices": "/device:CPU:0"}, "model_devices"),
+                            ({"model_devices": []}, "model_devices"),
+                            ({"compression": "zip"}, "unknown compressor")):
         with pytest.raises(ValueError, match=message):
             tfdist_ext.DownpourStrategy(resolver(good), **kwargs)
     # Nothing listens at these addresses: a clear error within the deadline.
@@ -346,3 +349,45 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # (device unset, the worker's) is error feedback computing its residual.
     assert "/job:ps/replica:0/task:0/device:CPU:0" in r["scatters"], r["scatters"]
     assert all(d in ("", "/job:ps/replica:0/task:0/device:CPU:0") for d in r["scatters"])
+
+
+@pytest.mark.timeout(300)
+def test_each_replica_is_a_partitioned_model(script):
+    proc = script(PRELUDE + """
+keras.utils.set_random_seed(0)
+with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
+    assert len(cluster.ping()["worker:0"]) == 2
+    strategy = tfdist_ext.DownpourStrategy(
+        cluster.resolver, model_devices=["/device:CPU:0", "/device:CPU:1"])
+    with strategy.scope():
+        model = compile(keras.Sequential([
+            keras.Input((64,)), keras.layers.Dense(128, activation="relu", name="d1"),
+            keras.layers.Dense(128, activation="relu", name="d2"),
+            keras.layers.Dense(128, activation="relu", name="d3"),
+            keras.layers.Dense(10, name="d4")]))
+    h = model.fit(digits_train(), epochs=2, steps_per_epoch=60, validation_data=digits_test(),
+                  verbose=0)
+    (round_fn,) = [entry[1].function for entry in strategy._rounds.values()]
+    matmuls = {}
+    def walk(graph):
+        for op in graph.get_operations():
+            if op.type == "MatMul":
+                matmuls.setdefault(op.device, 0)
+                matmuls[op.device] += 1
+        for f in graph._functions.values():
+            walk(f.graph)
+    for f in round_fn._list_all_concrete_functions():
+        walk(f.graph)
+    report(val=h.history["val_accuracy"], plan=strategy.plan.layer_devices, matmuls=matmuls,
+           variables=sorted({v.value.device for v in model.trainable_variables}))
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    assert r["val"][-1] > 0.85
+    assert set(r["plan"].values()) == {"/device:CPU:0", "/device:CPU:1"}
+    assert r["plan"]["d1"] == "/device:CPU:0" and r["plan"]["d4"] == "/device:CPU:1"
+    # Forward and backward matmuls of the replica run on both of its devices ...
+    assert {d for d in r["matmuls"] if d.endswith("CPU:0")} and \
+        {d for d in r["matmuls"] if d.endswith("CPU:1")}, r["matmuls"]
+    # ... while the parameters stay on the parameter server.
+    assert r["variables"] == ["/job:ps/replica:0/task:0/device:CPU:0"]

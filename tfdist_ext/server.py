@@ -48,6 +48,10 @@ def build_parser():
         help="ops run at once (0: number of workers + 1)",
     )
     parser.add_argument(
+        "--cpu-devices", type=int, default=1,
+        help="CPU devices the task exposes (for model parallelism inside a task)",
+    )
+    parser.add_argument(
         "--strategy", choices=("any", "ps"), default="any",
         help="'ps' requires the cluster to have 'ps' and 'worker' jobs",
     )
@@ -65,9 +69,11 @@ def main(argv=None):
     for name, value in (
         ("--intra-op-threads", args.intra_op_threads),
         ("--inter-op-threads", args.inter_op_threads),
+        ("--cpu-devices", args.cpu_devices - 1),
     ):
         if value < 0:
-            print(f"tfdist-ext server: error: {name} must be >= 0, got {value}",
+            low = 1 if name == "--cpu-devices" else 0
+            print(f"tfdist-ext server: error: {name} must be >= {low}",
                   file=sys.stderr)
             return 2
 
@@ -82,6 +88,7 @@ def main(argv=None):
     config = tf.compat.v1.ConfigProto(
         inter_op_parallelism_threads=inter_op,
         intra_op_parallelism_threads=args.intra_op_threads,
+        device_count={"CPU": args.cpu_devices},
     )
     server = tf.distribute.Server(
         tf.train.ClusterSpec(cluster),

@@ -163,6 +163,9 @@ class LocalCluster:
         loopback cluster on a small machine can stall).
       start_timeout: seconds to wait for all tasks to answer.
       env: extra environment variables for the task processes.
+      devices_per_worker: CPU devices each ``worker`` task exposes
+        (``/device:CPU:0`` ... ``CPU:k-1``), for model parallelism inside a
+        replica.
 
     Example:
       >>> from tfdist_ext.cluster import LocalCluster
@@ -182,11 +185,13 @@ class LocalCluster:
         inter_op_threads=None,
         start_timeout=120.0,
         env=None,
+        devices_per_worker=1,
     ):
         for name, value, low in (
             ("num_workers", num_workers, 1),
             ("num_ps", num_ps, 0),
             ("intra_op_threads", intra_op_threads, 0),
+            ("devices_per_worker", devices_per_worker, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(
@@ -209,6 +214,7 @@ class LocalCluster:
         self._inter_op = inter_op_threads or num_workers + 1
         self._intra_op = intra_op_threads
         self._extra_env = dict(env or {})
+        self._devices_per_worker = devices_per_worker
         self._log_dir = tempfile.mkdtemp(prefix="tfdist-ext-cluster-")
         spec = {}
         if chief:
@@ -243,7 +249,7 @@ class LocalCluster:
         self._started = True
         try:
             for task in self._tasks.values():
-                task.start(self._spec, self._server_args(), self._task_env())
+                task.start(self._spec, self._server_args(task.job), self._task_env())
             self._wait_ready(list(self._tasks.values()), self.start_timeout)
         except BaseException:
             self.stop()
@@ -264,7 +270,7 @@ class LocalCluster:
         task = self._task(job, index)
         if task.alive():
             task.stop()
-        task.start(self._spec, self._server_args(), self._task_env())
+        task.start(self._spec, self._server_args(job), self._task_env())
         self._wait_ready([task], timeout or self.start_timeout)
 
     # -- inspection ----------------------------------------------------------
@@ -341,10 +347,12 @@ class LocalCluster:
             raise ValueError("LocalCluster: the chief is the calling process")
         return self._tasks[(job, index)]
 
-    def _server_args(self):
+    def _server_args(self, job):
+        devices = self._devices_per_worker if job == "worker" else 1
         return [
             "--intra-op-threads", str(self._intra_op),
             "--inter-op-threads", str(self._inter_op),
+            "--cpu-devices", str(devices),
         ]
 
     def _task_env(self):

@@ -392,8 +392,22 @@ def _cached_worker_index(strategy):
     return strategy._worker_index
 
 
+def _partition(model, strategy):
+    """Places each replica's computation over ``strategy.model_devices``."""
+    if not strategy.model_devices or getattr(model, "_downpour_plan", None) is not None:
+        return
+    from tfdist_ext.model_parallel import apply_plan
+    from tfdist_ext.model_parallel import plan_partition
+
+    plan = plan_partition(model, strategy.model_devices)
+    # Variables stay on the ps tasks; only the computation is placed.
+    apply_plan(model, plan, place_variables=False)
+    model._downpour_plan = strategy.plan = plan
+
+
 def _cached_round(model, strategy):
     """One traced round function per (model, optimizer, n_fetch, n_push)."""
+    _partition(model, strategy)
     key = (id(model), id(model.optimizer), strategy.n_fetch, strategy.n_push,
            id(strategy.compression))
     entry = strategy._rounds.get(key)

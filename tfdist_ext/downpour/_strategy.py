@@ -82,6 +82,13 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         wire form, the ``ps`` task owning each variable decompresses it, and
         the compressor's state (error-feedback residuals, DGC momenta) stays
         on the worker. ``push_bytes_per_step`` then counts the wire tensors.
+      model_devices: devices of one worker task (e.g. ``["/device:CPU:0",
+        "/device:CPU:1"]``) over which each replica's model is partitioned,
+        as in DistBelief: contiguous stages balanced by parameter bytes
+        (``tfdist_ext.model_parallel.plan_partition``), computation placed
+        stage by stage, only activations crossing stages. The plan is in
+        ``strategy.plan`` after ``fit`` starts. Needs workers with that many
+        devices (``LocalCluster(devices_per_worker=k)``).
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
@@ -105,6 +112,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         min_shard_bytes=256 << 10,
         deadline=60.0,
         compression=None,
+        model_devices=None,
     ):
         self.n_fetch = n_fetch
         self.n_push = n_push
@@ -120,6 +128,16 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
 
             compression = compression_lib.get(compression)
         self.compression = compression
+        if model_devices is not None:
+            if (isinstance(model_devices, str) or not model_devices
+                    or not all(isinstance(d, str) and d for d in model_devices)):
+                raise ValueError(
+                    "DownpourStrategy: model_devices must be a non-empty list of "
+                    f"device names of one worker task, got {model_devices!r}"
+                )
+            model_devices = list(model_devices)
+        self.model_devices = model_devices
+        self.plan = None
         spec = cluster_resolver.cluster_spec().as_dict()
         for job in ("ps", "worker"):
             if not spec.get(job):
@@ -234,6 +252,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
             "min_shard_bytes": self.min_shard_bytes,
             "deadline": self.deadline,
             "compression": None if self.compression is None else repr(self.compression),
+            "model_devices": self.model_devices,
         }
 
 
