@@ -391,3 +391,36 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
         {d for d in r["matmuls"] if d.endswith("CPU:1")}, r["matmuls"]
     # ... while the parameters stay on the parameter server.
     assert r["variables"] == ["/job:ps/replica:0/task:0/device:CPU:0"]
+
+
+@pytest.mark.timeout(300)
+def test_linear_scaling_schedule_and_warmup_callback_under_downpour(script):
+    proc = script(PRELUDE + """
+from tfdist_ext.callbacks import LinearScalingWarmup
+from tfdist_ext.schedules import LinearScaling
+keras.utils.set_random_seed(0)
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+    schedule = LinearScaling(0.05, base_batch_size=32, batch_size=64, warmup_epochs=1,
+                             steps_per_epoch=40)
+    with strategy.scope():
+        scheduled = compile(mlp(), keras.optimizers.SGD(schedule))
+    h1 = scheduled.fit(digits_train(), epochs=2, steps_per_epoch=40, verbose=0)
+    step = int(scheduled.optimizer.iterations.numpy())
+    with strategy.scope():
+        plain = compile(mlp(), keras.optimizers.SGD(0.05))
+    warmup = LinearScalingWarmup(0.05, base_batch_size=32, batch_size=64, warmup_epochs=1)
+    h2 = plain.fit(digits_train(), epochs=2, steps_per_epoch=40, verbose=0, callbacks=[warmup])
+    report(loss1=h1.history["loss"], rate_at_end=float(scheduled.optimizer.learning_rate.numpy()),
+           expected=float(schedule(step)), loss2=h2.history["loss"],
+           rates=h2.history["learning_rate"])
+    os._exit(0)
+""", timeout=280)
+    r = _result(proc)
+    # The schedule runs on the server with the optimizer: after warm-up the
+    # rate is k * base = 2 * 0.05.
+    assert r["rate_at_end"] == pytest.approx(r["expected"]) == pytest.approx(0.1)
+    assert r["loss1"][1] < r["loss1"][0]
+    # The callback ramps the server's rate during epoch 0 and leaves k * base.
+    assert r["rates"][-1] == pytest.approx(0.1)
+    assert r["loss2"][1] < r["loss2"][0]
