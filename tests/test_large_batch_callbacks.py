@@ -191,3 +191,53 @@ def test_reads_the_replicas_of_mirrored_strategy(script):
     rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
     np.testing.assert_allclose(rates, [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
     assert "CORR 4" in out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("make, per_replica", [
+    ("tfdist_ext.CompressedMirroredStrategy(devices, compression='fp16')", 8),
+    ("tfdist_ext.ModelParallelStrategy(devices)", 16),
+])
+def test_works_under_the_package_strategies(script, make, per_replica):
+    # Same rule, same rates under the package's own strategies: the callback
+    # reads their replica count (2 for the compressed mirrored strategy, 1
+    # for the model-parallel one), and the schedule trains the model too.
+    proc = script(f"""
+        from tfdist_ext.cluster import logical_cpus
+        devices = logical_cpus(2)
+        import keras, numpy as np, tensorflow as tf
+        import tfdist_ext
+        from tfdist_ext.callbacks import LinearScalingWarmup
+        from tfdist_ext.schedules import LinearScaling
+        strategy = {make}
+        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+        y = (x[:, 0] > 0).astype("int32")
+        def build(optimizer):
+            m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
+                                  keras.layers.Dense(2)])
+            m.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            return m
+        with strategy.scope():
+            m = build(keras.optimizers.SGD(0.5))
+        cb = LinearScalingWarmup(0.01, base_batch_size=8, per_replica_batch_size={per_replica},
+                                 warmup_epochs=1)
+        rates = []
+        probe = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: rates.append(
+            float(keras.ops.convert_to_numpy(m.optimizer.learning_rate))))
+        m.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb, probe])
+        print("GLOBAL", cb.global_batch_size, "SCALE", cb.schedule.scale)
+        print("RATES", " ".join(f"{{r:.6f}}" for r in rates))
+        schedule = LinearScaling(0.01, base_batch_size=8, batch_size=16, warmup_epochs=1,
+                                 steps_per_epoch=4)
+        with strategy.scope():
+            s = build(keras.optimizers.SGD(schedule))
+        h = s.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        print("SCHEDULED", round(float(keras.ops.convert_to_numpy(s.optimizer.learning_rate)), 6),
+              int(s.optimizer.iterations.numpy()), h.history["loss"][-1] > 0)
+    """, timeout=200)
+    out = proc.stdout
+    assert "GLOBAL 16 SCALE 2.0" in out, out
+    rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
+    np.testing.assert_allclose(rates, [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
+    assert "SCHEDULED 0.02 8 True" in out
