@@ -233,20 +233,30 @@ class _TrainFunction:
             args=(self._current, _cached_worker_index(self.strategy),
                   tf.constant(steps, tf.int32)),
         )
-        self._inflight.append(remote)
+        self._inflight.append((remote, steps))
 
     def _collect(self):
         from tensorflow.python.distribute.coordinator import remote_value
 
         still = []
-        for remote in self._inflight:
+        for remote, steps in self._inflight:
             status = getattr(remote, "_status", None)
             if status == remote_value.RemoteValueStatus.READY:
-                self._record(remote.fetch())
+                try:
+                    out = remote.fetch()
+                except tf.errors.UnavailableError:
+                    # The round finished (its pushes are applied) but its
+                    # worker died before the chief copied the small result
+                    # back. Unless a ps is gone (then this raises), count
+                    # its steps and go on without its staleness values.
+                    self._check_ps(force=True)
+                    self.strategy.stats.record_lost_round(steps)
+                    continue
+                self._record(out)
             elif status == remote_value.RemoteValueStatus.ABORTED:
                 remote.fetch()   # raises the round's error
             else:
-                still.append(remote)
+                still.append((remote, steps))
         self._inflight = still
         if self.coordinator.done():   # raises a failed round's error, if any
             pass

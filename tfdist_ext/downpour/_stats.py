@@ -11,7 +11,10 @@ class DownpourStats:
     Updated on the chief as rounds finish; ``staleness`` holds one value per
     accepted push: the number of server updates between the pushing replica's
     last fetch and its push. ``steps_per_worker`` maps a worker's task index
-    to the local steps it ran.
+    to the local steps it ran. ``lost_results`` counts rounds that finished
+    (their pushes were applied) on a worker that died before the chief read
+    their counters back; their steps are counted, their pushes and staleness
+    are not.
 
     Example:
       >>> strategy.stats.summary()   # doctest: +SKIP
@@ -32,6 +35,7 @@ class DownpourStats:
             self.fetch_bytes = 0
             self.staleness = []
             self.steps_per_worker = {}
+            self.lost_results = 0
 
     def record(self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness,
                worker=None):
@@ -45,6 +49,12 @@ class DownpourStats:
             self.push_bytes += int(push_bytes)
             self.fetch_bytes += int(fetch_bytes)
             self.staleness.extend(int(s) for s in staleness)
+
+    def record_lost_round(self, steps):
+        """A round whose worker died after it finished, before its result was read."""
+        with self._lock:
+            self.steps += int(steps)
+            self.lost_results += 1
 
     def summary(self, since=None):
         """Totals, and staleness mean/max, optionally since an earlier ``snapshot()``."""
