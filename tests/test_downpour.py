@@ -39,6 +39,20 @@ def digits_test():
 
 def report(**values):
     print("RESULT " + json.dumps(values), flush=True)
+
+def op_devices(strategy, op_type):
+    # {device: count} of the ops of `op_type` in the traced round function.
+    (round_fn,) = [entry[1] for entry in strategy._rounds.values()]
+    counts = {}
+    def walk(graph):
+        for op in graph.get_operations():
+            if op.type == op_type:
+                counts[op.device] = counts.get(op.device, 0) + 1
+        for f in graph._functions.values():
+            walk(f.graph)
+    for f in round_fn._list_all_concrete_functions():
+        walk(f.graph)
+    return counts
 """
 
 
@@ -326,17 +340,7 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     dense = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     # Where the traced round decompresses: the scatter that rebuilds the
     # dense gradient runs on the ps task, so only values + indices cross.
-    (round_fn,) = [entry[1].function for entry in strategy._rounds.values()]
-    graphs = [f.graph for f in round_fn._list_all_concrete_functions()]
-    scatters = set()
-    def walk(graph):
-        for op in graph.get_operations():
-            if op.type == "ScatterNd":
-                scatters.add(op.device)
-        for f in graph._functions.values():
-            walk(f.graph)
-    for g in graphs:
-        walk(g)
+    scatters = set(op_devices(strategy, "ScatterNd"))
     report(push=h.history["push_bytes_per_step"], dense=dense, val=h.history["val_accuracy"],
            scatters=sorted(scatters))
     os._exit(0)
@@ -367,17 +371,7 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
             keras.layers.Dense(10, name="d4")]))
     h = model.fit(digits_train(), epochs=2, steps_per_epoch=60, validation_data=digits_test(),
                   verbose=0)
-    (round_fn,) = [entry[1].function for entry in strategy._rounds.values()]
-    matmuls = {}
-    def walk(graph):
-        for op in graph.get_operations():
-            if op.type == "MatMul":
-                matmuls.setdefault(op.device, 0)
-                matmuls[op.device] += 1
-        for f in graph._functions.values():
-            walk(f.graph)
-    for f in round_fn._list_all_concrete_functions():
-        walk(f.graph)
+    matmuls = op_devices(strategy, "MatMul")
     report(val=h.history["val_accuracy"], plan=strategy.plan.layer_devices, matmuls=matmuls,
            variables=sorted({v.value.device for v in model.trainable_variables}))
     os._exit(0)

@@ -229,7 +229,7 @@ class _TrainFunction:
         limit = 2 * self.strategy.num_workers
         self._wait(lambda: len(self._inflight) < limit)
         remote = self.coordinator.schedule(
-            self._round.function,
+            self._round,
             args=(self._current, _cached_worker_index(self.strategy),
                   tf.constant(steps, tf.int32)),
         )
@@ -441,11 +441,6 @@ def _per_worker_index(strategy):
     ))
 
 
-class _Round:
-    def __init__(self, function):
-        self.function = function
-
-
 def _build_round(model, strategy):
     """The tf.function one worker runs for a round of local steps."""
     from keras.src.trainers.data_adapters import data_adapter_utils
@@ -537,7 +532,7 @@ def _build_round(model, strategy):
             "fetch_bytes": fetches * param_bytes + steps * 2 * nt_bytes,
         }
 
-    return _Round(round_fn)
+    return round_fn
 
 
 def _make_push(strategy, optimizer, trainable, param_bytes):
