@@ -1,8 +1,8 @@
 """How ``model.fit`` runs Downpour (internal).
 
-Keras 3 has no parameter-server path in ``fit``. ``install()`` wraps
-``TensorFlowTrainer.fit`` once: for a model whose strategy is a
-``DownpourStrategy`` the wrapper sets ``model.train_function`` to a
+Keras 3 has no parameter-server path in ``fit``; ``tfdist_ext._keras_fit``
+routes the ``fit`` of a model whose strategy is a ``DownpourStrategy`` to
+:func:`downpour_fit`, which sets ``model.train_function`` to a
 :class:`_TrainFunction` and, for the duration of the call, hooks the model's
 ``_get_metrics_result_or_logs`` (which Keras calls right after each epoch's
 last batch) to wait for the epoch's rounds, then runs Keras's own ``fit``
@@ -22,7 +22,6 @@ rounds: a lost worker loses only the gradients of its round in flight.
 """
 
 import contextlib
-import functools
 import time
 import warnings
 import weakref
@@ -34,28 +33,7 @@ from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
 
-_ORIGINAL_FIT = None
 _MAX_SOURCES = 16
-
-
-def install():
-    """Wraps ``TensorFlowTrainer.fit`` once (idempotent)."""
-    global _ORIGINAL_FIT
-    if _ORIGINAL_FIT is not None:
-        return
-    from keras.src.backend.tensorflow import trainer as tf_trainer
-
-    original = tf_trainer.TensorFlowTrainer.fit
-
-    @functools.wraps(original)
-    def fit(self, *args, **kwargs):
-        strategy = self.distribute_strategy
-        if getattr(strategy, "_is_downpour", False):
-            return _downpour_fit(self, strategy, original, *args, **kwargs)
-        return original(self, *args, **kwargs)
-
-    _ORIGINAL_FIT = original
-    tf_trainer.TensorFlowTrainer.fit = fit
 
 
 class SourceDataset:
@@ -115,7 +93,7 @@ def _adopt_optimizer(model, strategy):
     optimizer._distribution_strategy = strategy
 
 
-def _downpour_fit(model, strategy, original, *args, **kwargs):
+def downpour_fit(model, strategy, original, *args, **kwargs):
     _adopt_optimizer(model, strategy)
     train_function = _TrainFunction(model, strategy)
     keras_epoch_logs = model._get_metrics_result_or_logs

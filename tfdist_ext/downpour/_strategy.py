@@ -1,45 +1,21 @@
 """DownpourStrategy: asynchronous Downpour SGD for Keras 3 ``model.fit``."""
 
 import math
-import threading
-import types
 
-import tensorflow as tf
-from tensorflow.python.distribute import parameter_server_strategy_v2
 from tensorflow.python.distribute.coordinator import cluster_coordinator
 
-from tfdist_ext.cluster._local import ping
+from tfdist_ext import _keras_fit
+from tfdist_ext.cluster._ps_strategy import ParameterServerBase
+from tfdist_ext.cluster._ps_strategy import positive_int
 from tfdist_ext.downpour import _fit
 from tfdist_ext.downpour._stats import DownpourStats
 
 
 def _positive_int(name, value, low=1):
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(
-            f"DownpourStrategy: {name} must be an integer >= {low}, got {value!r}"
-        )
-    return value
+    return positive_int("DownpourStrategy", name, value, low)
 
 
-def _variable_bytes(kwargs):
-    """A variable's size before it exists (for placement).
-
-    Keras passes the initial value as a shapeless callable: it is evaluated
-    here once and handed on as a tensor, so it is not computed twice.
-    """
-    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
-    if shape is not None and tf.TensorShape(shape).is_fully_defined():
-        return tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype or tf.float32).size
-    initial_value = kwargs.get("initial_value")
-    if initial_value is None:
-        return 0
-    if callable(initial_value):
-        initial_value = kwargs["initial_value"] = initial_value()
-    value = tf.convert_to_tensor(initial_value, dtype=dtype)
-    return value.shape.num_elements() * value.dtype.size
-
-
-class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
+class DownpourStrategy(ParameterServerBase):
     """Downpour SGD (Dean et al., 2012) as a ``tf.distribute`` strategy.
 
     Model replicas run asynchronously on the ``worker`` tasks; the parameters
@@ -101,6 +77,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
     """
 
     _is_downpour = True
+    _owner = "DownpourStrategy"
 
     def __init__(
         self,
@@ -117,12 +94,6 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         self.n_fetch = n_fetch
         self.n_push = n_push
         self.warmstart_steps = _positive_int("warmstart_steps", warmstart_steps, 0)
-        self.min_shard_bytes = _positive_int("min_shard_bytes", min_shard_bytes)
-        if not deadline or deadline <= 0:
-            raise ValueError(
-                f"DownpourStrategy: deadline must be > 0 seconds, got {deadline!r}"
-            )
-        self.deadline = float(deadline)
         if compression is not None:
             from tfdist_ext import compression as compression_lib
 
@@ -138,48 +109,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
             model_devices = list(model_devices)
         self.model_devices = model_devices
         self.plan = None
-        spec = cluster_resolver.cluster_spec().as_dict()
-        for job in ("ps", "worker"):
-            if not spec.get(job):
-                raise ValueError(
-                    f"DownpourStrategy: the cluster has no {job!r} job "
-                    f"(jobs: {', '.join(sorted(spec)) or 'none'}); Downpour needs "
-                    "parameter-server ('ps') and 'worker' tasks"
-                )
-        if cluster_resolver.task_type not in ("chief", None):
-            raise ValueError(
-                "DownpourStrategy: must be created in the coordinating 'chief' "
-                f"process, not in task {cluster_resolver.task_type!r}"
-            )
-        for job in ("ps", "worker"):
-            for address in spec[job]:
-                ping(address, timeout=self.deadline)
-
-        num_ps = len(spec["ps"])
-        partitioner = None
-        if num_ps > 1:
-            partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
-                min_shard_bytes=self.min_shard_bytes, max_shards=num_ps
-            )
-        super().__init__(cluster_resolver, variable_partitioner=partitioner)
-        self._ps_bytes = [0] * num_ps
-        self._placement_lock = threading.Lock()
-        self._extended._create_variable_round_robin = types.MethodType(
-            _create_variable_balanced, self
-        )
-        # Keras evaluates and predicts on the chief (this process); that is
-        # not a mistake worth a warning at every trace.
-        self._extended._allow_run_without_coordinator = True
-        # The push applies the optimizer from the round function's
-        # cross-replica context; with no merge_call Keras's optimizer then
-        # calls extended.update per variable, which runs on the variable's ps.
-        self._extended._use_merge_call = lambda: False
-        self._extended._update = types.MethodType(
-            _update_sharded_aware, self._extended
-        )
-        self._extended._create_variable = types.MethodType(
-            _create_variable_sharded_slots, self._extended
-        )
+        super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
         self.coordinator = cluster_coordinator.ClusterCoordinator(self)
         self.stats = DownpourStats()
         self._sources = []
@@ -187,8 +117,7 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         self._rounds = {}
         self._worker_index = None
         self._server_version = None
-        _fit.install()
-        _make_sharded_variables_readable()
+        _keras_fit.install()
 
     @property
     def n_fetch(self):
@@ -209,23 +138,12 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         self._n_push = _positive_int("n_push", value)
 
     @property
-    def num_workers(self):
-        """Number of asynchronous model replicas (``worker`` tasks)."""
-        return self._extended._num_workers
-
-    @property
-    def num_ps(self):
-        """Number of parameter-server shards (``ps`` tasks)."""
-        return self._extended._num_ps
-
-    @property
     def round_steps(self):
         """Local steps per scheduled round: ``lcm(n_fetch, n_push)``."""
         return math.lcm(self.n_fetch, self.n_push)
 
-    def shard_bytes(self):
-        """Bytes of variables placed whole on each ``ps`` shard so far."""
-        return list(self._ps_bytes)
+    def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        return _fit.downpour_fit(model, self, keras_fit, *args, **kwargs)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.
@@ -235,13 +153,6 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
         repeated) built on the worker.
         """
         return _fit.SourceDataset(dataset, self)
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Builds ``dataset_fn(InputContext)`` on the chief; see ``experimental_distribute_dataset``."""
-        context = tf.distribute.InputContext(
-            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
-        )
-        return self.experimental_distribute_dataset(dataset_fn(context), options)
 
     def get_config(self):
         """The strategy's knobs (not the cluster) as a dict."""
@@ -254,70 +165,3 @@ class DownpourStrategy(parameter_server_strategy_v2.ParameterServerStrategyV2):
             "compression": None if self.compression is None else repr(self.compression),
             "model_devices": self.model_devices,
         }
-
-
-def _create_variable_balanced(strategy, next_creator, **kwargs):
-    """Places a whole variable on the ``ps`` shard holding the fewest bytes."""
-    from tensorflow.python.framework import ops
-
-    with strategy._placement_lock:
-        index = min(range(len(strategy._ps_bytes)), key=strategy._ps_bytes.__getitem__)
-        strategy._ps_bytes[index] += _variable_bytes(kwargs)
-    with ops.colocate_with(None, ignore_existing=True):
-        with ops.device(f"/job:ps/task:{index}/device:CPU:0"):
-            return next_creator(**kwargs)
-
-
-_keras_update = parameter_server_strategy_v2.ParameterServerStrategyV2Extended._update
-
-
-def _update_sharded_aware(extended, var, fn, args, kwargs, group):
-    """``extended.update`` that also takes a variable split across ``ps`` shards.
-
-    A whole variable is updated on the ``ps`` task that owns it (TensorFlow's
-    colocation). A split (``ShardedVariable``) one cannot be colocated: its
-    update is computed where the push runs and written back shard by shard.
-    """
-    from tensorflow.python.distribute import distribute_lib
-    from tensorflow.python.distribute import sharded_variable
-
-    if isinstance(var, sharded_variable.ShardedVariable):
-        with distribute_lib.UpdateContext(var.variables[0].device):
-            return fn(var, *args, **kwargs)
-    return _keras_update(extended, var, fn, args, kwargs, group)
-
-
-_pss_create_variable = parameter_server_strategy_v2.ParameterServerStrategyV2Extended._create_variable
-
-
-def _create_variable_sharded_slots(extended, next_creator, **kwargs):
-    """Optimizer slots of a split variable are split the same way.
-
-    Keras creates a slot "colocated" with its variable; a ``ShardedVariable``
-    cannot be colocated with, so the slot goes through the partitioner
-    instead, which splits it like the variable across the ``ps`` tasks.
-    """
-    from tensorflow.python.distribute import sharded_variable
-
-    if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
-        kwargs.pop("colocate_with")
-    return _pss_create_variable(extended, next_creator, **kwargs)
-
-
-def _make_sharded_variables_readable():
-    """Lets Keras saving read a split variable as one array.
-
-    Keras reads weights with ``np.asarray(variable)``; TensorFlow's
-    ``ShardedVariable`` converts to a tensor but has no ``__array__``. Adds
-    the two readers it lacks (nothing else of the class changes).
-    """
-    import numpy as np
-    from tensorflow.python.distribute import sharded_variable
-
-    cls = sharded_variable.ShardedVariable
-    if not hasattr(cls, "__array__"):
-        cls.__array__ = lambda self, dtype=None, copy=None: np.asarray(
-            tf.convert_to_tensor(self).numpy(), dtype=dtype
-        )
-    if not hasattr(cls, "numpy"):
-        cls.numpy = lambda self: tf.convert_to_tensor(self).numpy()

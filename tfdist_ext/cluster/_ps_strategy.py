@@ -1,0 +1,200 @@
+"""The parameter-server base shared by Downpour and Sandblaster (internal).
+
+Both algorithms keep their parameters on the ``ps`` tasks of a cluster
+driven by a coordinating ``chief``. :class:`ParameterServerBase` is
+TensorFlow's ``ParameterServerStrategy`` (V2) with the placement both need:
+variables of at least ``min_shard_bytes`` split along axis 0 across the ``ps``
+tasks (``ShardedVariable``), smaller ones placed whole on the least-loaded
+shard by bytes, optimizer slots of a split variable split alike, and every
+task pinged with a deadline before TensorFlow connects (a dead task is a clear
+error, not a hang). Importing this module imports TensorFlow.
+"""
+
+import threading
+import types
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import distribute_lib
+from tensorflow.python.distribute import parameter_server_strategy_v2
+from tensorflow.python.distribute import sharded_variable
+from tensorflow.python.framework import ops
+
+from tfdist_ext.cluster._local import ping
+
+_PSSV2 = parameter_server_strategy_v2.ParameterServerStrategyV2
+_PSSV2Extended = parameter_server_strategy_v2.ParameterServerStrategyV2Extended
+
+
+def positive_int(owner, name, value, low=1):
+    """``value`` if it is an int >= ``low``, else a ValueError naming ``owner.name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{owner}: {name} must be an integer >= {low}, got {value!r}")
+    return value
+
+
+def positive_float(owner, name, value):
+    """``float(value)`` if it is a number > 0, else a ValueError naming ``owner.name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{owner}: {name} must be a number > 0, got {value!r}")
+    return float(value)
+
+
+class ParameterServerBase(_PSSV2):
+    """``ParameterServerStrategy`` with byte-balanced, sharded placement.
+
+    Subclasses set ``_owner`` (the name used in error messages) and
+    ``_needs`` (what the algorithm uses the jobs for).
+    """
+
+    _owner = "ParameterServerBase"
+
+    def __init__(self, cluster_resolver, *, min_shard_bytes, deadline):
+        owner = self._owner
+        self.min_shard_bytes = positive_int(owner, "min_shard_bytes", min_shard_bytes)
+        self.deadline = positive_float(owner, "deadline", deadline)
+        spec = cluster_resolver.cluster_spec().as_dict()
+        for job in ("ps", "worker"):
+            if not spec.get(job):
+                raise ValueError(
+                    f"{owner}: the cluster has no {job!r} job (jobs: "
+                    f"{', '.join(sorted(spec)) or 'none'}); it needs "
+                    "parameter-server ('ps') and 'worker' tasks"
+                )
+        if cluster_resolver.task_type not in ("chief", None):
+            raise ValueError(
+                f"{owner}: must be created in the coordinating 'chief' process, "
+                f"not in task {cluster_resolver.task_type!r}"
+            )
+        for job in ("ps", "worker"):
+            for address in spec[job]:
+                ping(address, timeout=self.deadline)
+        num_ps = len(spec["ps"])
+        partitioner = None
+        if num_ps > 1:
+            partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+                min_shard_bytes=self.min_shard_bytes, max_shards=num_ps
+            )
+        super().__init__(cluster_resolver, variable_partitioner=partitioner)
+        self._ps_bytes = [0] * num_ps
+        self._placement_lock = threading.Lock()
+        extended = self._extended
+        extended._create_variable_round_robin = types.MethodType(_create_variable_balanced, self)
+        # Keras evaluates and predicts on the chief (this process); that is
+        # not a mistake worth a warning at every trace.
+        extended._allow_run_without_coordinator = True
+        # Updates are applied from a cross-replica context without
+        # merge_call; Keras's optimizer then calls extended.update per
+        # variable, which runs on the variable's ps task.
+        extended._use_merge_call = lambda: False
+        extended._update = types.MethodType(_update_sharded_aware, extended)
+        extended._create_variable = types.MethodType(_create_variable_sharded_slots, extended)
+        _make_sharded_variables_readable()
+
+    @property
+    def num_workers(self):
+        """Number of ``worker`` tasks."""
+        return self._extended._num_workers
+
+    @property
+    def num_ps(self):
+        """Number of parameter-server shards (``ps`` tasks)."""
+        return self._extended._num_ps
+
+    def shard_bytes(self):
+        """Bytes of variables placed whole on each ``ps`` shard so far."""
+        return list(self._ps_bytes)
+
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Returns ``dataset`` unchanged: Keras ``evaluate``/``predict`` iterate it on the chief."""
+        return dataset
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Builds ``dataset_fn(InputContext)`` on the chief; see ``experimental_distribute_dataset``."""
+        context = tf.distribute.InputContext(
+            num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
+        )
+        return self.experimental_distribute_dataset(dataset_fn(context), options)
+
+
+def variable_bytes(kwargs):
+    """A variable's size before it exists (for placement).
+
+    Keras passes the initial value as a shapeless callable: it is evaluated
+    here once and handed on as a tensor, so it is not computed twice.
+    """
+    shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
+    if shape is not None and tf.TensorShape(shape).is_fully_defined():
+        return tf.TensorShape(shape).num_elements() * tf.as_dtype(dtype or tf.float32).size
+    initial_value = kwargs.get("initial_value")
+    if initial_value is None:
+        return 0
+    if callable(initial_value):
+        initial_value = kwargs["initial_value"] = initial_value()
+    value = tf.convert_to_tensor(initial_value, dtype=dtype)
+    return value.shape.num_elements() * value.dtype.size
+
+
+def _create_variable_balanced(strategy, next_creator, **kwargs):
+    """Places a whole variable on the ``ps`` shard holding the fewest bytes."""
+    with strategy._placement_lock:
+        index = min(range(len(strategy._ps_bytes)), key=strategy._ps_bytes.__getitem__)
+        strategy._ps_bytes[index] += variable_bytes(kwargs)
+    with ops.colocate_with(None, ignore_existing=True):
+        with ops.device(f"/job:ps/task:{index}/device:CPU:0"):
+            return next_creator(**kwargs)
+
+
+_keras_update = _PSSV2Extended._update
+
+
+def _update_sharded_aware(extended, var, fn, args, kwargs, group):
+    """``extended.update`` that also takes a variable split across ``ps`` shards.
+
+    A whole variable is updated on the ``ps`` task that owns it (TensorFlow's
+    colocation). A split (``ShardedVariable``) one cannot be colocated: its
+    update is computed where the caller runs and written back shard by shard.
+    """
+    if isinstance(var, sharded_variable.ShardedVariable):
+        with distribute_lib.UpdateContext(var.variables[0].device):
+            return fn(var, *args, **kwargs)
+    return _keras_update(extended, var, fn, args, kwargs, group)
+
+
+_pss_create_variable = _PSSV2Extended._create_variable
+
+
+def _create_variable_sharded_slots(extended, next_creator, **kwargs):
+    """Optimizer slots of a split variable are split the same way.
+
+    Keras creates a slot "colocated" with its variable; a ``ShardedVariable``
+    cannot be colocated with, so the slot goes through the partitioner
+    instead, which splits it like the variable across the ``ps`` tasks.
+    """
+    if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
+        kwargs.pop("colocate_with")
+    return _pss_create_variable(extended, next_creator, **kwargs)
+
+
+def _make_sharded_variables_readable():
+    """Lets Keras saving read a split variable as one array.
+
+    Keras reads weights with ``np.asarray(variable)``; TensorFlow's
+    ``ShardedVariable`` converts to a tensor but has no ``__array__``. Adds
+    the two readers it lacks (nothing else of the class changes).
+    """
+    cls = sharded_variable.ShardedVariable
+    if not hasattr(cls, "__array__"):
+        cls.__array__ = lambda self, dtype=None, copy=None: np.asarray(
+            tf.convert_to_tensor(self).numpy(), dtype=dtype
+        )
+    if not hasattr(cls, "numpy"):
+        cls.numpy = lambda self: tf.convert_to_tensor(self).numpy()
+
+
+def components(variable):
+    """The ``tf.Variable`` pieces of a (Keras, sharded or plain) variable, in axis-0 order."""
+    value = getattr(variable, "_value", variable)
+    if isinstance(value, sharded_variable.ShardedVariable):
+        return list(value.variables)
+    return [value]
