@@ -1,9 +1,10 @@
 """tfdist_ext: classic distributed deep learning for TensorFlow 2.21 and Keras 3.
 
-Strategies (``DownpourStrategy``, ``CompressedMirroredStrategy``,
+Strategies (``DownpourStrategy``, ``SandblasterStrategy``, ``CompressedMirroredStrategy``,
 ``CompressedMultiWorkerMirroredStrategy``, ``ModelParallelStrategy``) and the
-subpackages ``downpour``, ``compression``, ``schedules``, ``callbacks``,
-``layers``, ``recipes`` and ``model_parallel`` import TensorFlow, so they are
+subpackages ``downpour``, ``sandblaster``, ``optimizers``, ``compression``,
+``schedules``, ``callbacks``, ``layers``, ``recipes`` and ``model_parallel``
+import TensorFlow, so they are
 loaded on first use; ``tfdist_ext.cluster`` and ``tfdist_ext.datasets`` are
 light.
 
@@ -22,9 +23,10 @@ from tfdist_ext import datasets
 from tfdist_ext.cluster import LocalCluster
 
 _SUBPACKAGES = ("callbacks", "compression", "downpour", "layers", "model_parallel",
-                "recipes", "schedules")
+                "optimizers", "recipes", "sandblaster", "schedules")
 _NAMES = {
     "DownpourStrategy": "tfdist_ext.downpour",
+    "SandblasterStrategy": "tfdist_ext.sandblaster",
     "CompressedMirroredStrategy": "tfdist_ext.compression",
     "CompressedMultiWorkerMirroredStrategy": "tfdist_ext.compression",
     "ModelParallelStrategy": "tfdist_ext.model_parallel",

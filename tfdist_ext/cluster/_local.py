@@ -4,6 +4,7 @@ Public names are re-exported by :mod:`tfdist_ext.cluster`.
 """
 
 import atexit
+import contextlib
 import json
 import os
 import re
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import weakref
 
@@ -273,6 +275,46 @@ class LocalCluster:
         task.start(self._spec, self._server_args(job), self._task_env())
         self._wait_ready([task], timeout or self.start_timeout)
 
+    @contextlib.contextmanager
+    def throttle(self, job, index, slowdown, period=0.02):
+        """Slows one task's process ``slowdown`` times, for the ``with`` block.
+
+        A real, OS-level straggler: the process is stopped (SIGSTOP) for
+        ``(1 - 1/slowdown)`` of every ``period`` seconds and continued
+        (SIGCONT) for the rest, so everything it does -- computing, answering
+        RPCs -- runs at ``1/slowdown`` of its speed. It is always continued
+        when the block ends.
+
+        Example:
+          >>> with cluster.throttle("worker", 1, slowdown=4):  # doctest: +SKIP
+          ...     model.fit(x, y, epochs=5)
+        """
+        if not slowdown >= 1.0:
+            raise ValueError(f"LocalCluster.throttle: slowdown must be >= 1, got {slowdown!r}")
+        if not period > 0:
+            raise ValueError(f"LocalCluster.throttle: period must be > 0, got {period!r}")
+        pid = self._task(job, index).process.pid
+        running = period / slowdown
+        done = threading.Event()
+
+        def cycle():
+            while not done.is_set():
+                _signal(pid, signal.SIGSTOP)
+                if done.wait(period - running):
+                    break
+                _signal(pid, signal.SIGCONT)
+                done.wait(running)
+            _signal(pid, signal.SIGCONT)
+
+        thread = threading.Thread(target=cycle, name=f"throttle-{job}-{index}", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join(timeout=5.0)
+            _signal(pid, signal.SIGCONT)
+
     # -- inspection ----------------------------------------------------------
 
     @property
@@ -390,6 +432,13 @@ class LocalCluster:
                 )
             if pending:
                 time.sleep(0.1)
+
+
+def _signal(pid, sig):
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def _stop_all(tasks):

@@ -1,0 +1,158 @@
+"""How ``model.fit`` runs Sandblaster L-BFGS (internal).
+
+``tfdist_ext._keras_fit`` routes ``fit`` of a model under a
+``SandblasterStrategy`` here. The training data are read into memory once
+and sent to every worker; Keras's own ``fit`` loop then runs unchanged
+(progress bar, callbacks, validation, checkpoints) over a two-example
+stand-in dataset it uses to build the model, with ``model.train_function``
+set to one L-BFGS iteration per step. The step returns the full logs
+(``loss`` and compiled metrics over the training set, and the iteration's
+record), which Keras reports as the epoch's logs because their keys differ
+from the model's metric names.
+"""
+
+import inspect
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.trainers.data_adapters import data_adapter_utils
+
+from tfdist_ext.sandblaster._lbfgs import LBFGSRun
+from tfdist_ext.sandblaster._optimizer import LBFGS
+
+def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
+    arguments = inspect.signature(keras_fit).bind(model, *args, **kwargs).arguments
+    arguments.pop("self", None)
+    optimizer = model.optimizer
+    if not isinstance(optimizer, LBFGS):
+        raise ValueError(
+            "SandblasterStrategy: compile the model with "
+            f"tfdist_ext.optimizers.LBFGS, not {type(optimizer).__name__}")
+    if arguments.get("class_weight"):
+        raise ValueError("SandblasterStrategy: class_weight is not supported; "
+                         "pass sample_weight instead")
+    x, y, sample_weight = (arguments.pop(k, None) for k in ("x", "y", "sample_weight"))
+    split = arguments.pop("validation_split", 0.0)
+    if split and arguments.get("validation_data") is None:
+        from keras.src.trainers.data_adapters import array_slicing
+
+        (x, y, sample_weight), arguments["validation_data"] = (
+            array_slicing.train_validation_split((x, y, sample_weight), validation_split=split))
+    data = materialize(x, y, sample_weight, "fit")
+    for key in ("batch_size", "shuffle", "class_weight"):
+        arguments.pop(key, None)
+    run = _continued_run(model, strategy, data, optimizer)
+    step = _TrainStep(model, run)
+    stand_in = tf.data.Dataset.from_tensors(
+        tf.nest.map_structure(lambda a: a[:2], data)).repeat()
+    arguments["steps_per_epoch"] = arguments.get("steps_per_epoch") or 1
+    arguments["x"] = stand_in
+    arguments["shuffle"] = False
+    model.train_function = step
+    try:
+        history = keras_fit(model, **arguments)
+    finally:
+        model.train_function = None
+    result = run.result()
+    optimizer._set_result(result)
+    history.result = result
+    return history
+
+
+def _continued_run(model, strategy, data, optimizer):
+    """The model's L-BFGS run: a later ``fit`` on the same arrays continues it."""
+    evaluator = strategy._evaluator(("fit", id(model)), model, model.trainable_variables,
+                                    keras_objective(model), data, optimizer.memory)
+    run = getattr(model, "_sandblaster_run", None)
+    if run is None or run.evaluator is not evaluator or run.options is not optimizer:
+        run = LBFGSRun(optimizer, evaluator.vectors, evaluator)
+        object.__setattr__(model, "_sandblaster_run", run)
+    return run
+
+
+def materialize(x, y, sample_weight, caller):
+    """The training data as a tuple of array nests: ``(x, y)`` or ``(x, y, sample_weight)``."""
+    if isinstance(x, tf.data.Dataset):
+        if y is not None or sample_weight is not None:
+            raise ValueError(f"{caller}: pass y and sample_weight inside the dataset")
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+            read_dataset(x, caller))
+    if x is None:
+        raise ValueError(f"{caller}: no training data (x is None)")
+    parts = (x, y) if sample_weight is None else (x, y, sample_weight)
+    if y is None:
+        raise ValueError(f"{caller}: y is required (L-BFGS minimises a supervised loss)")
+    parts = tf.nest.map_structure(np.asarray, parts)
+    sizes = {len(a) for a in tf.nest.flatten(parts)}
+    if len(sizes) != 1:
+        raise ValueError(f"{caller}: x, y and sample_weight have different numbers of "
+                         f"examples: {sorted(sizes)}")
+    return parts
+
+
+def read_dataset(dataset, caller):
+    """A finite dataset of batches, concatenated into one nest of arrays."""
+    if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(f"{caller}: the dataset is infinite; L-BFGS needs the whole "
+                         "(finite) training set")
+    batches = list(dataset.as_numpy_iterator())
+    if not batches:
+        raise ValueError(f"{caller}: the dataset is empty")
+    return tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
+
+
+def keras_objective(model):
+    """``loss_fn(params, batch) -> (loss, metric state)`` of a compiled Keras model.
+
+    The model runs with ``training=False`` under a ``keras.StatelessScope``
+    that maps its trainable variables to ``params``; the loss is Keras's
+    compiled loss plus regularisation losses; the metric state is the
+    compiled metrics' variables after one stateless update from their reset
+    values (additive over slices).
+    """
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+    call_training = model._call_has_training_arg
+
+    def loss_fn(params, batch):
+        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(batch))
+        mapping = list(zip(trainable, params)) + [(v, v.value) for v in non_trainable]
+        with keras.StatelessScope(state_mapping=mapping):
+            y_pred = model(x, training=False) if call_training else model(x)
+            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                                       training=False)
+        # Keras builds the compiled metrics in fit's first (symbolic) step,
+        # before this function is traced on a worker.
+        state = []
+        compiled = getattr(model, "_compile_metrics", None)
+        if compiled is not None and compiled.built:
+            initial = [tf.zeros(v.shape, v.dtype) for v in compiled.variables]
+            state = compiled.stateless_update_state(initial, y, y_pred, sample_weight=sample_weight)
+        return loss, list(state)
+
+    return loss_fn
+
+
+class _TrainStep:
+    """``model.train_function``: one L-BFGS iteration per call."""
+
+    def __init__(self, model, run):
+        self.model = model
+        self.run = run
+
+    def __call__(self, iterator):
+        model, run = self.model, self.run
+        record = run.step()
+        if run.done:
+            model.stop_training = True
+        model.optimizer.iterations.assign(run.nit)
+        model._loss_tracker.reset_state()
+        model._loss_tracker.update_state(run.f)
+        compiled = getattr(model, "_compile_metrics", None)
+        if compiled is not None and compiled.built and run.aux:
+            for variable, value in zip(compiled.variables, run.aux):
+                variable.assign(value)
+        logs = {k: float(v) for k, v in model.get_metrics_result().items()}
+        logs.update({k: v for k, v in record.items() if k not in ("loss", "seconds")})
+        return logs

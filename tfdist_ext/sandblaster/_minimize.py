@@ -1,0 +1,81 @@
+"""``minimize``: Sandblaster L-BFGS outside Keras."""
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist_ext.sandblaster._fit import read_dataset
+from tfdist_ext.sandblaster._lbfgs import LBFGSRun
+from tfdist_ext.sandblaster._optimizer import LBFGS
+
+
+def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
+             ftol=2.220446049250313e-09, max_iterations=15000, max_line_search=20,
+             c1=1e-4, c2=0.9, callback=None):
+    """Minimises the mean of ``loss_fn`` over ``data`` by Sandblaster L-BFGS.
+
+    For users outside Keras, in the manner of ``scipy.optimize.minimize``:
+    ``loss_fn(params, batch)`` returns the mean loss over ``batch`` given
+    ``params`` (one tensor per variable, in order). Regularisation terms in
+    it are weighted by each slice's share of the data, so they count once in
+    total. The objective is ``mean over all examples + regularisation``.
+
+    Args:
+      loss_fn: ``loss_fn(params, batch) -> scalar tensor``, traceable by
+        ``tf.function`` (it runs on the workers).
+      variables: ``tf.Variable`` objects created under ``strategy.scope()``
+        (so they live on the ``ps`` tasks); they hold the result at the end.
+      data: a tuple (or nest) of arrays with a common first dimension, or a
+        finite ``tf.data.Dataset`` of batches of such tuples (read once); ``batch`` has
+        the same structure.
+      strategy: a ``SandblasterStrategy``.
+      memory, gtol, ftol, max_iterations, max_line_search, c1, c2: as in
+        ``tfdist_ext.optimizers.LBFGS`` (SciPy's defaults).
+      callback: called with each iteration's record (a dict).
+
+    Returns:
+      An ``OptimizeResult`` (``fun``, ``nit``, ``nfev``, ``status``,
+      ``success``, ``message``, ``grad_max``, ``history``, and ``x``: the
+      variables' final values as arrays).
+
+    Raises:
+      FloatingPointError: NaN/Inf in the loss or gradient; the variables keep
+        the last good values.
+
+    Example:
+      >>> with strategy.scope():  # doctest: +SKIP
+      ...     w = tf.Variable(tf.zeros([64, 10]))
+      >>> def loss_fn(params, batch):  # doctest: +SKIP
+      ...     x, y = batch
+      ...     logits = tf.matmul(x, params[0])
+      ...     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+      >>> result = tfdist_ext.sandblaster.minimize(loss_fn, [w], (x, y), strategy=strategy)  # doctest: +SKIP
+      >>> result.fun, result.nit, result.message  # doctest: +SKIP
+    """
+    options = LBFGS(memory=memory, gtol=gtol, ftol=ftol, max_iterations=max_iterations,
+                    max_line_search=max_line_search, c1=c1, c2=c2)
+    if not getattr(strategy, "_owner", None) == "SandblasterStrategy":
+        raise ValueError(f"minimize: strategy must be a SandblasterStrategy, got {strategy!r}")
+    variables = list(variables)
+    if not variables:
+        raise ValueError("minimize: no variables to optimise")
+    if isinstance(data, tf.data.Dataset):
+        data = read_dataset(data, "minimize")
+    data = tf.nest.map_structure(np.asarray, data)
+    sizes = {len(a) for a in tf.nest.flatten(data)}
+    if len(sizes) != 1:
+        raise ValueError(f"minimize: the arrays of data have different numbers of examples: "
+                         f"{sorted(sizes)}")
+
+    def objective(params, batch):
+        return loss_fn(params, batch), []
+
+    evaluator = strategy._evaluator(("minimize", id(loss_fn)), loss_fn, variables, objective,
+                                    data, memory)
+    run = LBFGSRun(options, evaluator.vectors, evaluator)
+    while not run.done:
+        record = run.step()
+        if callback is not None:
+            callback(record)
+    result = run.result()
+    result["x"] = [v.numpy() for v in variables]
+    return result
