@@ -372,11 +372,28 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
     h = model.fit(digits_train(), epochs=2, steps_per_epoch=60, validation_data=digits_test(),
                   verbose=0)
     matmuls = op_devices(strategy, "MatMul")
+    backward = []  # (name, device) of the backward matmuls of the traced round
+    (round_fn,) = [entry[1] for entry in strategy._rounds.values()]
+    def walk(graph):
+        for op in graph.get_operations():
+            if op.type == "MatMul" and op.name.startswith("gradient_tape/"):
+                backward.append((op.name, op.device))
+        for f in graph._functions.values():
+            walk(f.graph)
+    for f in round_fn._list_all_concrete_functions():
+        walk(f.graph)
     report(val=h.history["val_accuracy"], plan=strategy.plan.layer_devices, matmuls=matmuls,
-           variables=sorted({v.value.device for v in model.trainable_variables}))
+           variables=sorted({v.value.device for v in model.trainable_variables}),
+           backward=backward)
     os._exit(0)
 """, timeout=280)
     r = _result(proc)
+    # Each backward matmul runs on its layer's stage device (d(input) of d1 is
+    # not needed: 2 per layer but d1's one).
+    assert len(r["backward"]) == 7, r["backward"]
+    for name, device in r["backward"]:
+        (layer,) = [p.split("_")[0] for p in name.split("/") if p.split("_")[0] in r["plan"]]
+        assert device.endswith(r["plan"][layer]), (name, device)
     assert r["val"][-1] > 0.85
     assert set(r["plan"].values()) == {"/device:CPU:0", "/device:CPU:1"}
     assert r["plan"]["d1"] == "/device:CPU:0" and r["plan"]["d4"] == "/device:CPU:1"

@@ -19,6 +19,7 @@ from tfdist_ext.model_parallel import layer_costs  # noqa: E402
 from tfdist_ext.model_parallel import microbatch_gradients  # noqa: E402
 from tfdist_ext.model_parallel import placement_report  # noqa: E402
 from tfdist_ext.model_parallel import plan_partition  # noqa: E402
+from tfdist_ext.model_parallel import stage_gradients  # noqa: E402
 from tfdist_ext.model_parallel._placement import same_device  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -411,6 +412,10 @@ def test_construction_errors(cpu_devices):
         ModelParallelStrategy(cpu_devices[:2], balance_by="time")
     with pytest.raises(ValueError, match="num_shards"):
         ColumnParallelDense(4, num_shards=5)
+    with pytest.raises(ValueError, match="split_large_layers"):
+        ModelParallelStrategy(cpu_devices[:2], split_large_layers="yes")
+    with pytest.raises(ValueError, match="device_budget_bytes"):
+        ModelParallelStrategy(cpu_devices[:2], device_budget_bytes=0)
 
 
 def test_planning_errors(cpu_devices):
@@ -420,7 +425,8 @@ def test_planning_errors(cpu_devices):
     big = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256, name="big"),
                             keras.layers.Dense(4)])
     with pytest.raises(ValueError, match="'big' needs 263,168 parameter bytes.*ColumnParallelDense"):
-        plan_partition(big, cpu_devices[:4], device_budget_bytes=200_000)
+        plan_partition(big, cpu_devices[:4], device_budget_bytes=200_000,
+                       split_large_layers=False)
     with pytest.raises(ValueError, match="does not have"):
         plan_partition(model, cpu_devices[:2], {"nope": cpu_devices[0]})
     with pytest.raises(ValueError, match="does not place the layers with parameters"):
@@ -433,3 +439,223 @@ def test_planning_errors(cpu_devices):
                                                names[2]: cpu_devices[0]})
     with pytest.raises(ValueError, match="not built"):
         plan_partition(keras.Sequential([keras.layers.Dense(3)]), cpu_devices[:2])
+
+
+# --- automatic column split of a Dense over the device budget ---------------------
+
+BIG_BYTES = (32 * 300 + 300) * 4  # the "big" Dense of wide_model: 39,600 B
+
+
+def wide_model(reg=None):
+    return keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32, activation="relu", name="a"),
+        keras.layers.Dense(300, activation="relu", name="big", kernel_regularizer=reg),
+        keras.layers.Dense(10, name="head"),
+    ])
+
+
+def test_plan_splits_a_dense_over_the_budget(cpu_devices):
+    model = wide_model()
+    # 2 shards of 19,800 B fit a 30,000 B budget next to "a" (8,320 B).
+    plan = plan_partition(model, cpu_devices[:3], device_budget_bytes=30_000)
+    assert plan.splits == {"big": 2}
+    assert plan.shard_bytes["big"] == (BIG_BYTES // 2,) * 2
+    assert len(set(plan.shard_devices["big"])) == 2
+    assert plan.total_param_bytes == 4 * model.count_params()
+    assert max(plan.device_param_bytes.values()) <= 30_000
+    assert "split automatically into 2 column shards" in str(plan)
+    assert plan.to_dict()["splits"] == {"big": 2}
+    # At 26,000 B two shards fit alone but not next to "a": the plan takes 3.
+    plan = plan_partition(model, cpu_devices[:3], device_budget_bytes=26_000)
+    assert plan.splits == {"big": 3}
+    assert plan.shard_devices["big"] == tuple(cpu_devices[:3])
+    assert max(plan.device_param_bytes.values()) <= 26_000
+    # Without a budget, or under it, nothing is split.
+    assert plan_partition(model, cpu_devices[:3]).splits == {}
+    assert plan_partition(model, cpu_devices[:3], device_budget_bytes=40_000).splits == {}
+
+
+def test_plan_errors_for_layers_that_cannot_fit(cpu_devices):
+    model = wide_model()
+    with pytest.raises(ValueError, match=r"'big' needs 39,600 parameter bytes on one device, "
+                                         r"more than the device budget of 30,000 bytes, and "
+                                         r"split_large_layers is off"):
+        plan_partition(model, cpu_devices[:3], device_budget_bytes=30_000,
+                       split_large_layers=False)
+    with pytest.raises(ValueError, match=r"'big' needs 39,600 .* over all 3 devices its "
+                                         r"largest shard would still need 13,200 bytes"):
+        plan_partition(model, cpu_devices[:3], device_budget_bytes=10_000)
+    with pytest.raises(ValueError, match="the balanced plan puts .* more than the device "
+                                         "budget of 16,000 bytes; 'big' is split into 3"):
+        plan_partition(model, cpu_devices[:3], device_budget_bytes=16_000)
+    with pytest.raises(ValueError, match="cannot be split automatically: it has a kernel "
+                                         "regularizer"):
+        plan_partition(wide_model(reg=keras.regularizers.L2(1e-3)), cpu_devices[:3],
+                       device_budget_bytes=30_000)
+    conv = keras.Sequential([keras.Input((8, 8, 64)), keras.layers.Conv2D(64, 3, name="conv"),
+                             keras.layers.Flatten(), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="'conv' needs 147,712 .* it is a Conv2D"):
+        plan_partition(conv, cpu_devices[:3], device_budget_bytes=100_000)
+    inputs = keras.Input((64,))
+    functional = keras.Model(inputs, keras.layers.Dense(300, name="big")(inputs))
+    with pytest.raises(ValueError, match="not a Sequential model.*ColumnParallelDense"):
+        plan_partition(functional, cpu_devices[:2], device_budget_bytes=30_000)
+    # Through the strategy the error comes when fit places the model, before any step.
+    strategy = ModelParallelStrategy(cpu_devices[:3], device_budget_bytes=30_000,
+                                     split_large_layers=False)
+    model = built(strategy, wide_model)
+    x, y = digits(32)
+    with pytest.raises(ValueError, match="'big' needs 39,600 parameter bytes"):
+        model.fit(x, y, epochs=1, verbose=0)
+    assert not model.optimizer.built
+
+
+def merged_shard_grads(model, grads):
+    """Gradients of ``model`` with each ColumnParallelDense's shards concatenated."""
+    out, i = [], 0
+    for layer in model.layers:
+        n = len(layer.trainable_weights)
+        mine = [g.numpy() for g in grads[i:i + n]]
+        i += n
+        if isinstance(layer, ColumnParallelDense):
+            out += [np.concatenate(mine[0::2], axis=1), np.concatenate(mine[1::2])]
+        else:
+            out += mine
+    return out
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_strategy_splits_a_large_dense_automatically(cpu_devices, tmp_path, microbatches):
+    strategy = ModelParallelStrategy(cpu_devices[:3], device_budget_bytes=30_000,
+                                     microbatches=microbatches)
+    model = built(strategy, wide_model)
+    reference = keras.models.clone_model(model)  # the unsplit Dense, same weights
+    reference.set_weights(model.get_weights())
+    reference.compile(optimizer="sgd", loss=LOSS)
+    strategy.place(model)
+    plan = strategy.plan
+    big = model.get_layer("big")
+    assert isinstance(big, ColumnParallelDense) and big.num_shards == 2
+    # Variables really live on the planned devices: shards on theirs, the rest
+    # on their stage's.
+    for shard, device in zip(big.shard_variables(), plan.shard_devices["big"]):
+        for v in shard:
+            assert same_device(v.value.device, device), v.path
+    for layer in (model.get_layer("a"), model.get_layer("head")):
+        for v in layer.weights:
+            assert same_device(v.value.device, plan.device_of(layer.name)), v.path
+    # Numerics equal the unsplit Dense: forward and gradients.
+    x, y = digits(24)
+    np.testing.assert_allclose(model(x).numpy(), reference(x).numpy(), rtol=1e-5, atol=1e-6)
+    fn = tf.function(lambda a, b: microbatch_gradients(model, plan, (a, b), microbatches))
+    loss, _, grads = fn(tf.constant(x), tf.constant(y))
+    ref_loss, ref_grads = reference_loss_and_grads(reference, x, y)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for g, r in zip(merged_shard_grads(model, grads), ref_grads):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-6)
+    # Forward and backward matmuls of each shard (x @ K_i, dy_i @ K_i^T,
+    # x^T @ dy_i) run on the shard's device, in every micro-batch.
+    graph = _step_graph(strategy, model, (64,))
+    shard_matmuls = {}
+    for op in graph.get_operations():
+        if op.type == "MatMul" and _layer_of(op, {"big"}) == "big":
+            key = op.device[-5:]
+            shard_matmuls[key] = shard_matmuls.get(key, 0) + 1
+    assert shard_matmuls == {d[-5:]: 3 * microbatches for d in plan.shard_devices["big"]}
+    if microbatches == 1:
+        return
+    # Training, save and load.
+    model.fit(x, y, batch_size=8, epochs=2, verbose=0)
+    pred = model.predict(x, verbose=0)
+    path = str(tmp_path / "split.keras")
+    model.save(path)
+    other = ModelParallelStrategy(cpu_devices[1:4], device_budget_bytes=30_000)
+    with other.scope():
+        loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), pred, rtol=1e-5, atol=1e-6)
+    loaded_big = loaded.get_layer("big")
+    for shard, device in zip(loaded_big.shard_variables(), other.plan.shard_devices["big"]):
+        for v in shard:
+            assert same_device(v.value.device, device), v.path
+    assert set(other.plan.shard_devices["big"]) <= set(cpu_devices[1:4])
+    loaded.fit(x, y, batch_size=8, epochs=1, verbose=0)  # restored optimizer state
+    plain = keras.models.load_model(path)  # no strategy: still the same function
+    np.testing.assert_allclose(plain.predict(x, verbose=0), pred, rtol=1e-5, atol=1e-6)
+
+
+# --- backward placement without placing variables (the Downpour combination) ------
+
+
+def _gradient_ops(graph, types=("MatMul", "BiasAddGrad", "ReluGrad")):
+    return [op for op in graph.get_operations()
+            if op.type in types and op.name.startswith("gradient_tape/")]
+
+
+def _layer_of(op, names):
+    for part in op.name.split("/"):
+        base = part.rsplit("_", 1)[0] if part.rsplit("_", 1)[-1].isdigit() else part
+        if part in names or base in names:
+            return part if part in names else base
+    return None
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_backward_ops_follow_stages_when_variables_stay_put(cpu_devices, scoped):
+    """``apply_plan(place_variables=False)`` + a Downpour-style step: parameters are
+    read into tensors, the model runs in a StatelessScope, one tape.gradient call."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([
+        keras.Input((20,)), keras.layers.Dense(16, activation="relu", name="l0"),
+        keras.layers.Dense(16, activation="relu", name="l1"),
+        keras.layers.Dense(16, activation="relu", name="l2"), keras.layers.Dense(10, name="l3")])
+    model.compile("sgd", LOSS)
+    before = placement_report(model)
+    plan = plan_partition(model, cpu_devices[1:3])
+    apply_plan(model, plan, place_variables=False)
+    assert placement_report(model) == before  # variables stayed where they were
+    trainable = model.trainable_variables
+
+    @tf.function
+    def step(x, y):
+        params = [tf.identity(v.value) for v in trainable]
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            with keras.StatelessScope(state_mapping=list(zip(trainable, params))):
+                loss = model._compute_loss(x=x, y=y, y_pred=model(x, training=True),
+                                           training=True)
+        if scoped:
+            with stage_gradients():
+                return tape.gradient(loss, params)
+        return tape.gradient(loss, params)
+
+    graph = step.get_concrete_function(tf.TensorSpec((None, 20)),
+                                       tf.TensorSpec((None,), tf.int32)).graph
+    ops = _gradient_ops(graph)
+    names = set(plan.layer_devices)
+    assert len(ops) == 2 * 4 - 1 + 4 + 3  # d(kernel), d(input) but the first's, biases, relus
+    if not scoped:
+        # What TensorFlow does by itself: every backward op is unplaced, so it
+        # runs on the function's default device, not on its stage's.
+        assert {op.device for op in ops} == {""}
+        return
+    for op in ops:
+        assert same_device(op.device, plan.device_of(_layer_of(op, names))), (op.name, op.device)
+
+
+def test_backward_ops_follow_stages_in_an_unpipelined_keras_step(cpu_devices):
+    """A non-chain model trains with Keras' own train_step (one tape.gradient)."""
+    inputs = keras.Input((64,))
+    a = keras.layers.Dense(32, activation="relu", name="a")(inputs)
+    b = keras.layers.Dense(32, activation="relu", name="b")(inputs)
+    out = keras.layers.Dense(10, name="out")(keras.layers.Concatenate(name="cat")([a, b]))
+    strategy = ModelParallelStrategy(cpu_devices[:2])
+    with strategy.scope():
+        model = keras.Model(inputs, out)
+        model.compile("sgd", LOSS)
+    strategy.place(model)
+    ops = _gradient_ops(_step_graph(strategy, model, (64,)))
+    names = set(strategy.plan.layer_devices)
+    assert len({op.device for op in ops}) == 2
+    for op in ops:
+        assert same_device(op.device, strategy.plan.device_of(_layer_of(op, names))), op.name

@@ -22,6 +22,8 @@ def test_tutorial_05_runs():
     assert "reloaded predictions identical: True" in out
     assert "largest gradient difference / largest gradient" in out
     assert "needs" in out and "ColumnParallelDense" in out  # the budget error
-    assert "wide: column shards on ['/device:CPU:0', '/device:CPU:1']" in out
+    assert ("wide: Dense of 1,064,960 B split automatically into 2 column shards on "
+            "['/device:CPU:0', '/device:CPU:1']") in out
+    assert "'wide' is now a ColumnParallelDense" in out
     accuracy = float(out.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.9

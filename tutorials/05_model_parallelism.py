@@ -14,8 +14,8 @@ Steps:
      ``evaluate``, ``predict`` as usual) and read its plan;
   3. check that variables *and* ops are on their planned devices;
   4. GPipe micro-batches: the gradients equal the one-device gradients;
-  5. an explicit partition, and a layer too big for one device
-     (``ColumnParallelDense``);
+  5. an explicit partition, and a layer too big for one device (split
+     column-wise automatically under a per-device budget);
   6. save and load;
   7. the placement engine on its own (``plan_partition`` + ``apply_plan``).
 """
@@ -35,7 +35,6 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from tfdist_ext import datasets  # noqa: E402
-from tfdist_ext.model_parallel import ColumnParallelDense  # noqa: E402
 from tfdist_ext.model_parallel import ModelParallelStrategy  # noqa: E402
 from tfdist_ext.model_parallel import apply_plan  # noqa: E402
 from tfdist_ext.model_parallel import microbatch_gradients  # noqa: E402
@@ -132,26 +131,31 @@ def main():
                 names[4]: DEVICES[1]}
     print(plan_partition(model, DEVICES, explicit))
 
-    # 5b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget ...
-    wide = keras.Sequential([keras.Input((64,)), keras.layers.Dense(4096, name="wide"),
-                             keras.layers.Dense(10)])
+    # 5b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget. With
+    # splitting off that is an error at plan time, naming the layer ...
+    def wide_model():
+        return keras.Sequential([keras.Input((64,)),
+                                 keras.layers.Dense(4096, activation="relu", name="wide"),
+                                 keras.layers.Dense(10)])
+
     try:
-        plan_partition(wide, DEVICES, device_budget_bytes=800_000)
+        plan_partition(wide_model(), DEVICES, device_budget_bytes=800_000,
+                       split_large_layers=False)
     except ValueError as e:
         print(f"ValueError: {e}")
-    # ... so split it column-wise: each shard and its matmul on its own device.
+    # ... by default the planner splits it column-wise into as many shards as
+    # needed, each shard's variables and matmuls on its own device.
     budgeted = ModelParallelStrategy(DEVICES, device_budget_bytes=800_000)
     keras.utils.set_random_seed(SEED)
     with budgeted.scope():
-        wide = keras.Sequential([
-            keras.Input((64,)),
-            ColumnParallelDense(4096, num_shards=2, activation="relu", name="wide"),
-            keras.layers.Dense(10),
-        ])
+        wide = wide_model()
         wide.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     wide.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
     print(budgeted.plan)
-    print(f"wide model test accuracy {wide.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
+    print(f"'wide' is now a {type(wide.get_layer('wide')).__name__}; test accuracy "
+          f"{wide.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
+    # (In a functional model, write the layer as ColumnParallelDense(4096,
+    # num_shards=2) yourself: automatic splitting needs a Sequential model.)
 
     # 6. Save and load as usual; loading under a strategy places the model again.
     print("\n== 6. save / load ==")

@@ -423,6 +423,8 @@ def _build_round(model, strategy):
     """The tf.function one worker runs for a round of local steps."""
     from keras.src.trainers.data_adapters import data_adapter_utils
 
+    from tfdist_ext.model_parallel._placement import stage_gradients
+
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
     optimizer = model.optimizer
@@ -451,7 +453,8 @@ def _build_round(model, strategy):
                 loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
                                            sample_weight=sample_weight, training=True)
             new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
-        grads = tape.gradient(loss, params)
+        with stage_gradients():  # backward ops on their stage's device (model_devices)
+            grads = tape.gradient(loss, params)
         grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
                  for g, p in zip(grads, params)]
         for v, value in zip(non_trainable, new_non_trainable):

@@ -16,8 +16,11 @@ Public API:
   over the devices of one worker).
 * :class:`Plan`, :class:`Stage`, :func:`layer_costs`, :func:`placement_report`.
 * :class:`ColumnParallelDense` -- a ``Dense`` whose kernel is split into
-  column shards on different devices.
+  column shards on different devices; with a per-device budget
+  (``device_budget_bytes``) the planner makes one from a too-large ``Dense``.
 * :func:`microbatch_gradients` -- the pipelined loss/gradient computation.
+* :func:`stage_gradients` -- puts the gradient ops created inside on their
+  forward ops' devices (for custom steps over a placed model).
 
 Example:
   >>> import keras, tfdist_ext
@@ -37,6 +40,7 @@ from tfdist_ext.model_parallel._pipeline import chain_layers
 from tfdist_ext.model_parallel._pipeline import microbatch_gradients
 from tfdist_ext.model_parallel._placement import apply_plan
 from tfdist_ext.model_parallel._placement import placement_report
+from tfdist_ext.model_parallel._placement import stage_gradients
 from tfdist_ext.model_parallel._plan import LayerCost
 from tfdist_ext.model_parallel._plan import Plan
 from tfdist_ext.model_parallel._plan import Stage
@@ -56,4 +60,5 @@ __all__ = [
     "microbatch_gradients",
     "placement_report",
     "plan_partition",
+    "stage_gradients",
 ]

@@ -3,16 +3,25 @@
 import keras
 
 
+def column_sizes(units, num_shards):
+    """Output units of each column shard: as equal as possible, larger ones first."""
+    return [units // num_shards + (1 if i < units % num_shards else 0)
+            for i in range(num_shards)]
+
+
 @keras.saving.register_keras_serializable(package="tfdist_ext")
 class ColumnParallelDense(keras.layers.Layer):
     """``Dense`` with its kernel (and bias) split column-wise into shards.
 
     Shard ``i`` holds output units ``[start_i, end_i)``; its variables and its
-    matmul live on ``devices[i]`` (by default the strategy's devices, taken in
-    order from the layer's own stage); only the input (broadcast) and the
-    shard outputs (concatenated) cross devices. Numerically it equals a
+    matmul (forward and, in traced steps, backward) live on ``devices[i]`` (by
+    default the planner's choice: each shard on the device holding the fewest
+    shard bytes so far, distinct devices first); only the input (broadcast) and
+    the shard outputs (concatenated) cross devices. Numerically it equals a
     ``Dense`` whose kernel is the shards concatenated along columns. Use it for
-    a layer too big for one device.
+    a layer too big for one device. With a per-device budget,
+    :class:`ModelParallelStrategy` and :func:`plan_partition` make one from a
+    too-large ``Dense`` by themselves (``split_large_layers=True``).
 
     Args:
       units: output units (>= num_shards).
@@ -49,33 +58,30 @@ class ColumnParallelDense(keras.layers.Layer):
         self.bias_initializer = keras.initializers.get(bias_initializer)
         self.devices = list(devices) if devices is not None else None
         self._shard_placement = None  # set by apply_plan
-        sizes = [units // num_shards + (1 if i < units % num_shards else 0)
-                 for i in range(num_shards)]
-        self.shard_sizes = sizes
+        self.shard_sizes = column_sizes(units, num_shards)
 
     def build(self, input_shape):
+        from tfdist_ext.model_parallel import _placement
+
         in_dim = int(input_shape[-1])
         self.kernels, self.biases = [], []
-        for i, size in enumerate(self.shard_sizes):
-            self.kernels.append(self.add_weight(
-                name=f"kernel_shard_{i}", shape=(in_dim, size),
-                initializer=self.kernel_initializer))
-            if self.use_bias:
-                self.biases.append(self.add_weight(
-                    name=f"bias_shard_{i}", shape=(size,),
-                    initializer=self.bias_initializer))
+        # Shards whose devices are already known are created there directly.
+        devices = self._shard_placement or self.devices or [None] * self.num_shards
+        for i, (size, device) in enumerate(zip(self.shard_sizes, devices)):
+            with _placement.on_device(device):
+                self.kernels.append(self.add_weight(
+                    name=f"kernel_shard_{i}", shape=(in_dim, size),
+                    initializer=self.kernel_initializer))
+                if self.use_bias:
+                    self.biases.append(self.add_weight(
+                        name=f"bias_shard_{i}", shape=(size,),
+                        initializer=self.bias_initializer))
 
     def shard_variables(self):
         """``[[kernel_i, bias_i], ...]``: the variables of each shard."""
         if self.use_bias:
             return [[k, b] for k, b in zip(self.kernels, self.biases)]
         return [[k] for k in self.kernels]
-
-    def resolved_shard_devices(self, plan_devices):
-        """The device of each shard given the plan's devices."""
-        if self.devices is not None:
-            return list(self.devices)
-        return [plan_devices[i % len(plan_devices)] for i in range(self.num_shards)]
 
     def call(self, inputs):
         import tensorflow as tf

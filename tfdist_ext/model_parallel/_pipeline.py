@@ -17,6 +17,8 @@ import keras
 import tensorflow as tf
 from keras.src.trainers import data_adapters
 
+from tfdist_ext.model_parallel import _placement
+
 _unpack = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
 
 
@@ -135,7 +137,9 @@ def microbatch_gradients(model, plan, data, microbatches):
     for m in range(microbatches):
         upstream = upstreams[m]
         for s in range(last, -1, -1):
-            with tf.device(stages[s][0]):
+            # stage_gradients: the backward ops of a column-split layer's
+            # shards go to the shards' devices, the rest to the stage's.
+            with tf.device(stages[s][0]), _placement.stage_gradients():
                 head = [ins[s, m]] if s > 0 else []
                 g = tapes[s, m].gradient(
                     outs[s, m], [*head, *variables], output_gradients=[upstream],

@@ -11,12 +11,27 @@ Two mechanisms, both plain TensorFlow device placement:
   ``tf.device(stage device)``. ``Layer.__call__`` dispatches to ``self.call``,
   so an instance attribute is picked up by eager calls, ``tf.function``
   traces, functional/sequential graphs and ``stateless_call`` alike, without
-  changing the layer's class, config or saved form.
+  changing the layer's class, config or saved form;
+* gradients -- ``tf.GradientTape`` creates a gradient op in whatever device
+  scope is open where ``tape.gradient`` is called, not on its forward op's
+  device. Inside :func:`stage_gradients` (used by the pipelined step, by
+  ``ModelParallelStrategy.run`` and by Downpour's local step) a graph device
+  function gives each gradient op (TensorFlow names it
+  ``gradient_tape/<forward op name or scope>/...``) the device of its forward
+  op, or of the placed layer whose name scope it belongs to, so the backward
+  pass of a stage (or of a column shard) runs where its forward pass ran. In
+  eager execution gradient ops run on the device current at the
+  ``tape.gradient`` call.
+
+A plan may also *split* a ``Dense`` layer (``plan.splits``): ``apply_plan``
+then replaces it in its ``Sequential`` model by a ``ColumnParallelDense`` of
+the same name and weights whose shards are created on their devices.
 """
 
 import contextlib
 import functools
 import threading
+import weakref
 
 _LOCAL = threading.local()
 
@@ -34,6 +49,74 @@ def forced_device(device):
 
 def current_forced_device():
     return getattr(_LOCAL, "device", None)
+
+
+@contextlib.contextmanager
+def on_device(device):
+    """``tf.device(device)`` that also forces variable placement; no-op for ``None``."""
+    import tensorflow as tf
+
+    if device is None:
+        yield
+        return
+    with forced_device(device), tf.device(device):
+        yield
+
+
+_GRADIENT_PREFIX = "gradient_tape/"
+_STAGE_SCOPES = weakref.WeakKeyDictionary()  # graph -> {name scope: device}
+
+
+def _record_stage_scope(device):
+    """Notes, in graph mode, that ops under the current name scope belong to ``device``."""
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        return
+    graph = tf.compat.v1.get_default_graph()
+    scopes = _STAGE_SCOPES.setdefault(graph, {})
+    scopes[graph.get_name_scope()] = device
+
+
+def _forward_device(op):
+    """Device for gradient op ``op``: its forward op's, or its placed layer's."""
+    if op.device or not op.name.startswith(_GRADIENT_PREFIX):
+        return op.device
+    parts = op.name[len(_GRADIENT_PREFIX):].split("/")
+    for end in range(len(parts), 0, -1):
+        prefix = "/".join(parts[:end])
+        graph = op.graph
+        while graph is not None:
+            try:
+                return graph.get_operation_by_name(prefix).device
+            except (KeyError, ValueError):
+                pass
+            device = _STAGE_SCOPES.get(graph, {}).get(prefix)
+            if device is not None:
+                return device
+            graph = getattr(graph, "outer_graph", None)
+    return op.device
+
+
+@contextlib.contextmanager
+def stage_gradients():
+    """Gradient ops created inside run on their forward ops' devices (graph mode).
+
+    Wrap ``tape.gradient(...)`` (or a whole traced step) in it. Ops that
+    already have a device, and ops that are not gradients of placed
+    computation, are left alone. A no-op in eager execution.
+
+    Example:
+      >>> with stage_gradients():                   # doctest: +SKIP
+      ...     grads = tape.gradient(loss, params)
+    """
+    import tensorflow as tf
+
+    if tf.executing_eagerly():
+        yield
+        return
+    with tf.compat.v1.get_default_graph().device(_forward_device):
+        yield
 
 
 def same_device(a, b):
@@ -80,6 +163,7 @@ def _wrap_call(layer, device):
     @functools.wraps(original)
     def call(*args, **kwargs):
         with tf.device(device):
+            _record_stage_scope(device)
             return original(*args, **kwargs)
 
     layer.__dict__["_tfdist_original_call"] = original
@@ -119,6 +203,7 @@ def apply_plan(model, plan, *, place_variables=True, colocated=None):
       >>> model.layers[-1].kernel.value.device  # doctest: +SKIP
       '/job:localhost/replica:0/task:0/device:CPU:1'
     """
+    from tfdist_ext.model_parallel._layers import ColumnParallelDense
     from tfdist_ext.model_parallel._plan import top_level_layers
 
     layers = top_level_layers(model)
@@ -126,6 +211,16 @@ def apply_plan(model, plan, *, place_variables=True, colocated=None):
     missing = [l.name for l in layers if l.name not in devices]
     if missing:
         raise ValueError(f"the plan does not place layers {missing} of model {model.name!r}")
+    split = [l for l in layers if l.name in plan.splits
+             and not isinstance(l, ColumnParallelDense)]
+    for layer in split:
+        if not place_variables:
+            raise ValueError(
+                f"the plan splits layer {layer.name!r} column-wise, which places "
+                "variables; it cannot be applied with place_variables=False")
+        _split_dense(model, layer, plan.shard_devices[layer.name])
+    if split:
+        layers = top_level_layers(model)
     moved = {}
     for layer in layers:
         device = devices[layer.name]
@@ -148,8 +243,53 @@ def apply_plan(model, plan, *, place_variables=True, colocated=None):
         _wrap_call(layer, device)
     if moved:
         _move_optimizer_state(model, moved, colocated or {})
+    if moved or split:
         model.train_function = model.test_function = model.predict_function = None
     return model
+
+
+def _split_dense(model, dense, devices):
+    """Replaces ``dense`` in Sequential ``model`` by a same-weights ColumnParallelDense."""
+    import keras
+    import tensorflow as tf
+
+    from tfdist_ext.model_parallel._layers import ColumnParallelDense
+
+    if not isinstance(model, keras.Sequential):
+        raise ValueError(
+            f"the plan splits layer {dense.name!r} column-wise, which needs a Sequential "
+            f"model; model {model.name!r} is not one: build the layer as a "
+            "ColumnParallelDense(num_shards=...) instead")
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and optimizer.built:
+        raise ValueError(
+            f"the plan splits layer {dense.name!r} column-wise, but the optimizer of "
+            f"model {model.name!r} is already built with the unsplit variables: place the "
+            "model before training it (a model loaded with its optimizer: load it with "
+            "compile=False, place it, then compile)")
+    layer = ColumnParallelDense(
+        dense.units, num_shards=len(devices), activation=dense.activation,
+        use_bias=dense.use_bias, kernel_initializer=dense.kernel_initializer,
+        bias_initializer=dense.bias_initializer, name=dense.name, dtype=dense.dtype_policy,
+        activity_regularizer=dense.activity_regularizer, trainable=dense.trainable)
+    layer._shard_placement = list(devices)
+    kernel = dense.kernel
+    with tf.init_scope():
+        layer.build((None, int(kernel.shape[0])))  # shards created on their devices
+        start = 0
+        for i, size in enumerate(layer.shard_sizes):
+            layer.kernels[i].assign(kernel.value[:, start:start + size])
+            if dense.use_bias:
+                layer.biases[i].assign(dense.bias.value[start:start + size])
+            start += size
+    # Swap it in with Sequential's own pop/add; the other layers keep their
+    # weights and the model is rebuilt once.
+    index = model._layers.index(dense)
+    tail = [model.pop(rebuild=False) for _ in range(len(model._layers) - index)][::-1]
+    rest = [layer, *tail[1:]]
+    for i, l in enumerate(rest):
+        model.add(l, rebuild=i == len(rest) - 1)
+    return layer
 
 
 def _move_optimizer_state(model, moved, colocated):

@@ -67,6 +67,10 @@ class Plan:
     the next stage. Column-split layers (:class:`ColumnParallelDense`) appear in
     one stage (where their input and concatenated output live) and add their
     shards' bytes to ``device_param_bytes`` of the devices holding the shards.
+    ``splits`` names the ``Dense`` layers the planner decided to split
+    column-wise because their parameters exceed ``device_budget_bytes``
+    (``{layer name: number of shards}``); :func:`apply_plan` replaces each by a
+    :class:`ColumnParallelDense` with the same weights.
 
     Example:
       >>> plan = plan_partition(model, ["/device:CPU:0", "/device:CPU:1"])  # doctest: +SKIP
@@ -81,6 +85,8 @@ class Plan:
     balance_by: str
     shard_devices: dict = dataclasses.field(default_factory=dict)
     shard_bytes: dict = dataclasses.field(default_factory=dict)
+    splits: dict = dataclasses.field(default_factory=dict)
+    device_budget_bytes: int = None
 
     def device_of(self, layer_name):
         """The device of the stage holding ``layer_name`` (a top-level layer)."""
@@ -128,12 +134,17 @@ class Plan:
                 for s in self.stages
             ],
             "shards": {k: list(v) for k, v in self.shard_devices.items()},
+            "shard_bytes": {k: list(v) for k, v in self.shard_bytes.items()},
+            "splits": dict(self.splits),
+            "device_budget_bytes": self.device_budget_bytes,
         }
 
     def __str__(self):
         per_device = self.device_param_bytes
         how = (f"balanced by {self.balance_by}" if self.partition == "balanced"
                else "explicit map")
+        if self.device_budget_bytes is not None:
+            how += f", budget {self.device_budget_bytes:,} B/device"
         lines = [f"Plan ({how}):"]
         for s in self.stages:
             lines.append(
@@ -142,7 +153,11 @@ class Plan:
                 f"{s.flops:,} FLOPs/example, sends {s.boundary_bytes:,} B/example"
             )
         for name, devices in self.shard_devices.items():
-            lines.append(f"  {name}: column shards on {list(devices)}")
+            sizes = ", ".join(f"{b:,}" for b in self.shard_bytes[name])
+            how = (f"Dense of {sum(self.shard_bytes[name]):,} B split automatically into "
+                   f"{self.splits[name]} column shards" if name in self.splits
+                   else "column shards")
+            lines.append(f"  {name}: {how} on {list(devices)} ({sizes} B)")
         return "\n".join(lines)
 
 
@@ -243,22 +258,24 @@ def _check_devices(devices):
     return devices
 
 
-def _balanced_bounds(costs, k, weight, tolerance):
+def _balanced_bounds(costs, k, weight, tolerance, offsets=None):
     """Contiguous split of ``costs`` into ``k`` non-empty stages.
 
-    First finds the smallest achievable bottleneck (largest stage weight) by
+    First finds the smallest achievable bottleneck (largest stage weight, plus
+    ``offsets[s]`` already on stage ``s``'s device, e.g. column shards) by
     dynamic programming; then, among splits whose stages all stay within
     ``bottleneck * (1 + tolerance)``, picks the one with the fewest activation
     bytes crossing stage boundaries. Returns the k-1 cut positions.
     """
     n = len(costs)
     w = [weight(c) for c in costs]
+    offsets = offsets or [0] * k
     prefix = [0]
     for x in w:
         prefix.append(prefix[-1] + x)
 
-    def seg(i, j):
-        return prefix[j] - prefix[i]
+    def stage(s, i, j):  # weight of stage s (1-based) holding layers [i, j)
+        return prefix[j] - prefix[i] + offsets[s - 1]
 
     inf = float("inf")
     # best[s][j]: minimal bottleneck splitting the first j layers into s stages
@@ -267,7 +284,7 @@ def _balanced_bounds(costs, k, weight, tolerance):
     for s in range(1, k + 1):
         for j in range(s, n + 1):
             best[s][j] = min(
-                max(best[s - 1][i], seg(i, j)) for i in range(s - 1, j)
+                max(best[s - 1][i], stage(s, i, j)) for i in range(s - 1, j)
             )
     limit = best[k][n] * (1 + tolerance) + 1e-9
     # comm[s][j]: minimal boundary bytes with every stage <= limit
@@ -277,7 +294,7 @@ def _balanced_bounds(costs, k, weight, tolerance):
     for s in range(1, k + 1):
         for j in range(s, n + 1):
             for i in range(s - 1, j):
-                if comm[s - 1][i] == inf or seg(i, j) > limit:
+                if comm[s - 1][i] == inf or stage(s, i, j) > limit:
                     continue
                 cost = comm[s - 1][i] + (costs[j - 1].activation_bytes if j < n else 0)
                 if cost < comm[s][j]:
@@ -291,12 +308,20 @@ def _balanced_bounds(costs, k, weight, tolerance):
 
 
 def plan_partition(model_or_layers, devices, partition="balanced", *,
-                   balance_by="params", device_budget_bytes=None, tolerance=0.0):
+                   balance_by="params", device_budget_bytes=None,
+                   split_large_layers=True, tolerance=0.0):
     """Plans contiguous stages of a built Keras model over ``devices``.
 
     This is the placement engine of :class:`ModelParallelStrategy`, usable on its
     own (for example by a data-parallel strategy that places one replica across
     the devices of one worker): make a plan, then :func:`apply_plan` it.
+
+    With a ``device_budget_bytes``, a ``Dense`` layer whose parameters alone
+    exceed the budget is split column-wise (``split_large_layers=True``, the
+    default): the plan gives it the fewest shards that fit, one per device (more
+    if the whole plan does not fit otherwise), on the devices holding the fewest
+    shard bytes, and reports it in ``plan.splits``; :func:`apply_plan` then
+    replaces the layer by a :class:`ColumnParallelDense` with the same weights.
 
     Args:
       model_or_layers: a built ``keras.Model`` (its top-level layers in call
@@ -305,11 +330,17 @@ def plan_partition(model_or_layers, devices, partition="balanced", *,
       partition: ``"balanced"`` or ``{layer name: device}``. In an explicit map,
         parameter-free layers may be omitted (they follow the previous layer);
         every layer with parameters must be named.
-      balance_by: ``"params"`` (largest per-device parameter bytes is
-        minimised; the default, as memory is why one partitions) or
-        ``"flops"`` (estimated forward FLOPs, for pipelined speed).
+      balance_by: ``"params"`` (largest per-device parameter bytes, column
+        shards included, is minimised; the default, as memory is why one
+        partitions) or ``"flops"`` (estimated forward FLOPs, for pipelined
+        speed).
       device_budget_bytes: optional parameter-byte capacity of each device;
         a plan exceeding it raises ``ValueError``.
+      split_large_layers: split a ``Dense`` layer larger than
+        ``device_budget_bytes`` column-wise instead of raising. Automatic
+        splitting needs a ``Sequential`` model (the layer is replaced in it) and
+        a plain ``keras.layers.Dense`` without regularizers, constraints, LoRA
+        or quantization; otherwise use :class:`ColumnParallelDense` directly.
       tolerance: stages may exceed the optimal bottleneck by this fraction if
         that reduces the activation bytes crossing stage boundaries.
 
@@ -318,8 +349,9 @@ def plan_partition(model_or_layers, devices, partition="balanced", *,
 
     Raises:
       ValueError: bad devices or partition; more stages than layers; a single
-        layer larger than ``device_budget_bytes`` (split it with
-        :class:`ColumnParallelDense`); a plan over budget.
+        layer larger than ``device_budget_bytes`` that is not split (splitting
+        off or not possible) or whose column shards still do not fit with one
+        per device; a plan over budget.
 
     Example:
       >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
@@ -333,44 +365,167 @@ def plan_partition(model_or_layers, devices, partition="balanced", *,
         raise ValueError(f"balance_by must be 'params' or 'flops', got {balance_by!r}")
     if tolerance < 0:
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
+    if device_budget_bytes is not None and device_budget_bytes <= 0:
+        raise ValueError(f"device_budget_bytes must be positive, got {device_budget_bytes!r}")
     costs = layer_costs(model_or_layers)
     layers = top_level_layers(model_or_layers)
     if not costs:
         raise ValueError("the model has no layers to partition")
-    shard_devices, shard_bytes = {}, {}
-    for layer, c in zip(layers, costs):
-        if c.shard_bytes:
-            shard_devices[c.name] = tuple(layer.resolved_shard_devices(devices))
-            shard_bytes[c.name] = c.shard_bytes
-    if device_budget_bytes is not None:
-        for c in costs:
-            biggest = max((c.param_bytes, *c.shard_bytes))
-            if biggest > device_budget_bytes:
-                raise ValueError(
-                    f"layer {c.name!r} needs {biggest:,} parameter bytes on one "
-                    f"device, more than the device budget of "
-                    f"{device_budget_bytes:,} bytes; split it column-wise with "
-                    "tfdist_ext.model_parallel.ColumnParallelDense(num_shards=...) "
-                    "or raise device_budget_bytes"
-                )
-    if partition == "balanced":
-        k = len(devices)
-        if k > len(costs):
-            raise ValueError(
-                f"cannot make {k} stages from {len(costs)} layer(s) "
-                f"({[c.name for c in costs]}): use at most {len(costs)} devices"
-            )
-        weight = (lambda c: c.param_bytes) if balance_by == "params" else (lambda c: c.flops)
-        cuts = [0, *_balanced_bounds(costs, k, weight, tolerance), len(costs)]
-        groups = [(devices[s], costs[cuts[s]:cuts[s + 1]]) for s in range(k)]
-        name = "balanced"
-    elif isinstance(partition, dict):
-        groups = _explicit_groups(costs, layers, devices, partition)
-        name = "explicit"
-    else:
+    if partition != "balanced" and not isinstance(partition, dict):
         raise ValueError(
             f"partition must be 'balanced' or a dict {{layer name: device}}, got {partition!r}"
         )
+    budget = device_budget_bytes
+    splits = {}  # index of an automatically split Dense -> fewest shards that fit
+    if budget is not None:
+        splits = _automatic_splits(model_or_layers, layers, costs, len(devices), budget,
+                                   split_large_layers)
+        for c in costs:
+            if c.shard_bytes and max(c.shard_bytes) > budget:
+                raise ValueError(
+                    f"layer {c.name!r} has a column shard of {max(c.shard_bytes):,} "
+                    f"parameter bytes, more than the device budget of {budget:,} bytes; "
+                    "give it more shards (ColumnParallelDense(num_shards=...)) or raise "
+                    "device_budget_bytes")
+    if partition == "balanced" and len(devices) > len(costs):
+        raise ValueError(
+            f"cannot make {len(devices)} stages from {len(costs)} layer(s) "
+            f"({[c.name for c in costs]}): use at most {len(costs)} devices")
+    # More shards than the minimum only if the whole plan does not fit.
+    extra = 0
+    while True:
+        counts = {i: min(n + extra, _max_shards(layers[i], len(devices)))
+                  for i, n in splits.items()}
+        plan = _make_plan(costs, layers, devices, partition, balance_by, tolerance,
+                          counts, budget)
+        over = {d: b for d, b in plan.device_param_bytes.items()
+                if budget is not None and b > budget}
+        if not over or all(counts[i] == _max_shards(layers[i], len(devices)) for i in counts):
+            break
+        extra += 1
+    if over:
+        device, nbytes = max(over.items(), key=lambda item: item[1])
+        split = "".join(f"; {costs[i].name!r} is split into {n} column shards"
+                        for i, n in counts.items())
+        raise ValueError(
+            f"the {plan.partition} plan puts {nbytes:,} parameter bytes on {device}, "
+            f"more than the device budget of {budget:,} bytes{split}; add devices, "
+            "raise device_budget_bytes or split large layers with ColumnParallelDense"
+        )
+    return plan
+
+
+def _split_problem(model_or_layers, layer):
+    """Why ``layer`` cannot be split column-wise automatically (``None`` if it can)."""
+    import keras
+
+    if type(layer) is not keras.layers.Dense:
+        return (f"it is a {type(layer).__name__}; only keras.layers.Dense layers are "
+                "split automatically")
+    if layer.lora_enabled or layer.quantization_mode:
+        return "it has LoRA enabled or is quantized"
+    for attr in ("kernel_regularizer", "bias_regularizer", "kernel_constraint",
+                 "bias_constraint"):
+        if getattr(layer, attr, None) is not None:
+            return f"it has a {attr.replace('_', ' ')}"
+    if isinstance(model_or_layers, keras.Model) and not isinstance(
+            model_or_layers, keras.Sequential):
+        return (f"model {model_or_layers.name!r} is not a Sequential model (automatic "
+                "splitting replaces the layer inside a Sequential model); build this "
+                "layer as a ColumnParallelDense(num_shards=...) instead")
+    return None
+
+
+def _max_shards(layer, k):
+    return min(k, layer.units)
+
+
+def _dense_shard_bytes(layer, num_shards):
+    """Parameter bytes of each column shard of ``Dense`` ``layer`` split ``num_shards`` ways."""
+    from tfdist_ext.model_parallel._layers import column_sizes
+
+    in_dim = int(layer.kernel.shape[0])
+    dtype = _dtype_bytes(layer.kernel.dtype)
+    return tuple((in_dim * size + (size if layer.use_bias else 0)) * dtype
+                 for size in column_sizes(layer.units, num_shards))
+
+
+def _automatic_splits(model_or_layers, layers, costs, k, budget, split_large_layers):
+    """``{layer index: fewest column shards}`` for the layers over ``budget``."""
+    splits = {}
+    for i, (layer, c) in enumerate(zip(layers, costs)):
+        if c.shard_bytes or c.param_bytes <= budget:
+            continue
+        head = (f"layer {c.name!r} needs {c.param_bytes:,} parameter bytes on one device, "
+                f"more than the device budget of {budget:,} bytes")
+        if not split_large_layers:
+            raise ValueError(
+                f"{head}, and split_large_layers is off; turn it on to split Dense "
+                "layers column-wise automatically, split the layer with "
+                "tfdist_ext.model_parallel.ColumnParallelDense(num_shards=...), or "
+                "raise device_budget_bytes")
+        problem = _split_problem(model_or_layers, layer)
+        if problem is not None:
+            raise ValueError(f"{head}, and it cannot be split automatically: {problem}")
+        most = _max_shards(layer, k)
+        for n in range(2, most + 1):
+            if max(_dense_shard_bytes(layer, n)) <= budget:
+                splits[i] = n
+                break
+        else:
+            shard = max(_dense_shard_bytes(layer, most))
+            raise ValueError(
+                f"{head}; split column-wise over all {most} devices its largest shard "
+                f"would still need {shard:,} bytes; add devices or raise "
+                "device_budget_bytes")
+    return splits
+
+
+def _assign_shards(sizes, devices, load):
+    """Each shard to the device with the fewest shard bytes so far (distinct if possible)."""
+    chosen = []
+    for nbytes in sizes:
+        free = [d for d in devices if d not in chosen] or devices
+        device = min(free, key=lambda d: (load[d], devices.index(d)))
+        chosen.append(device)
+        load[device] += nbytes
+    return tuple(chosen)
+
+
+def _make_plan(costs, layers, devices, partition, balance_by, tolerance, splits, budget):
+    costs = list(costs)
+    shard_devices, shard_bytes = {}, {}
+    load = {d: 0 for d in devices}  # column-shard bytes per device
+    for i, layer in enumerate(layers):
+        if i in splits:
+            costs[i] = dataclasses.replace(costs[i], param_bytes=0,
+                                           shard_bytes=_dense_shard_bytes(layer, splits[i]))
+        c = costs[i]
+        if not c.shard_bytes:
+            continue
+        explicit = None if i in splits else getattr(layer, "devices", None)
+        if explicit:
+            explicit = tuple(str(d) for d in explicit)
+            outside = sorted(set(explicit) - set(devices))
+            if outside:
+                raise ValueError(f"layer {c.name!r} puts column shards on {outside}, "
+                                 f"which are not in devices={devices}")
+            for d, nbytes in zip(explicit, c.shard_bytes):
+                load[d] += nbytes
+        shard_devices[c.name] = explicit or _assign_shards(c.shard_bytes, devices, load)
+        shard_bytes[c.name] = c.shard_bytes
+    if partition == "balanced":
+        k = len(devices)
+        if balance_by == "params":
+            weight, offsets = (lambda c: c.param_bytes), [load[d] for d in devices]
+        else:
+            weight, offsets = (lambda c: c.flops), None
+        cuts = [0, *_balanced_bounds(costs, k, weight, tolerance, offsets), len(costs)]
+        groups = [(devices[s], costs[cuts[s]:cuts[s + 1]]) for s in range(k)]
+        name = "balanced"
+    else:
+        groups = _explicit_groups(costs, layers, devices, partition)
+        name = "explicit"
     stages = tuple(
         Stage(device=d, layers=tuple(c.name for c in group),
               param_bytes=sum(c.param_bytes for c in group),
@@ -378,18 +533,11 @@ def plan_partition(model_or_layers, devices, partition="balanced", *,
               boundary_bytes=group[-1].activation_bytes if group and i < len(groups) - 1 else 0)
         for i, (d, group) in enumerate(groups)
     )
-    plan = Plan(stages=stages, devices=tuple(devices), partition=name,
+    return Plan(stages=stages, devices=tuple(devices), partition=name,
                 balance_by=balance_by, shard_devices=shard_devices,
-                shard_bytes=shard_bytes)
-    if device_budget_bytes is not None:
-        for device, nbytes in plan.device_param_bytes.items():
-            if nbytes > device_budget_bytes:
-                raise ValueError(
-                    f"the {name} plan puts {nbytes:,} parameter bytes on {device}, "
-                    f"more than the device budget of {device_budget_bytes:,} bytes; "
-                    "add devices or split large layers with ColumnParallelDense"
-                )
-    return plan
+                shard_bytes=shard_bytes,
+                splits={costs[i].name: n for i, n in splits.items()},
+                device_budget_bytes=budget)
 
 
 def _explicit_groups(costs, layers, devices, partition):

@@ -11,7 +11,9 @@ extended object that overrides three hooks:
   device until the model is placed;
 * ``_update``: optimizer updates run on the updated variable's device;
 * ``Strategy.run``: when Keras hands over a model's ``train_step`` the step
-  runs as the micro-batch pipelined, stage-by-stage step of ``_pipeline``.
+  runs as the micro-batch pipelined, stage-by-stage step of ``_pipeline``;
+  any other function runs inside ``_placement.stage_gradients`` so that its
+  gradient ops follow their forward ops' devices.
 
 A model is *placed* (plan made, variables moved, layer calls wrapped in
 ``tf.device``) by :meth:`ModelParallelStrategy.place`, which the strategy calls
@@ -87,13 +89,14 @@ class ModelParallelExtended(one_device_strategy.OneDeviceExtended):
     """The ``tf.distribute.StrategyExtended`` of :class:`ModelParallelStrategy`."""
 
     def __init__(self, container_strategy, devices, partition, microbatches,
-                 balance_by, device_budget_bytes):
+                 balance_by, device_budget_bytes, split_large_layers):
         super().__init__(container_strategy, devices[0])
         self._devices = tuple(devices)
         self._partition = partition
         self._microbatches = microbatches
         self._balance_by = balance_by
         self._budget = device_budget_bytes
+        self._split_large_layers = split_large_layers
         self._colocated = {}  # id(slot tf.Variable) -> reference tf.Variable
         self._plans = {}  # id(model) -> Plan
         self._placing = False
@@ -171,8 +174,16 @@ class ModelParallelStrategy(distribute_lib.Strategy):
       microbatches: micro-batches per training step (>= 1). Pipelining needs a
         chain model (``Sequential`` or a single-path functional model).
       balance_by: ``"params"`` or ``"flops"`` (see :func:`plan_partition`).
-      device_budget_bytes: optional per-device parameter budget; a layer or
-        plan over it raises ``ValueError``.
+      device_budget_bytes: optional per-device parameter budget (bytes). A
+        ``Dense`` layer over it is split column-wise over as many devices as
+        needed (see ``split_large_layers``); any other layer over it, or a plan
+        over it, raises ``ValueError`` when the model is placed (before the
+        first step).
+      split_large_layers: with a budget, replace a ``Dense`` layer whose
+        parameters exceed it by a :class:`ColumnParallelDense` with the same
+        weights, one column shard per device, variables and matmuls on the
+        shards' devices (``strategy.plan.splits`` reports it; the model must be
+        ``Sequential``). ``False``: such a layer raises ``ValueError``.
 
     Attributes:
       plan: the :class:`Plan` of the most recently placed model (``None``
@@ -190,7 +201,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     """
 
     def __init__(self, devices, partition="balanced", microbatches=1, *,
-                 balance_by="params", device_budget_bytes=None):
+                 balance_by="params", device_budget_bytes=None, split_large_layers=True):
         devices = _check_devices(devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
@@ -207,8 +218,11 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                 raise ValueError(f"partition uses devices {outside} not in devices={devices}")
         if device_budget_bytes is not None and device_budget_bytes <= 0:
             raise ValueError(f"device_budget_bytes must be positive, got {device_budget_bytes!r}")
+        if not isinstance(split_large_layers, bool):
+            raise ValueError(f"split_large_layers must be a bool, got {split_large_layers!r}")
         super().__init__(ModelParallelExtended(
-            self, devices, partition, microbatches, balance_by, device_budget_bytes))
+            self, devices, partition, microbatches, balance_by, device_budget_bytes,
+            split_large_layers))
         self.plan = None
 
     @property
@@ -236,7 +250,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                     f"{model.name!r}: use at most {n} devices")
         return _plan.plan_partition(
             model, devices, ext._partition, balance_by=ext._balance_by,
-            device_budget_bytes=ext._budget)
+            device_budget_bytes=ext._budget, split_large_layers=ext._split_large_layers)
 
     def place(self, model):
         """Plans and places a built ``model``; returns it. Idempotent.
@@ -304,4 +318,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                 self.place(model)
             fn = functools.partial(_pipeline.pipelined_train_step, model,
                                    self.extended._plans[id(model)], self.microbatches)
+        else:
+            # e.g. Keras' own train_step of a non-chain model: its tape.gradient
+            # call would put every backward op on the first device.
+            fn = _with_stage_gradients(fn)
         return super().run(fn, args, kwargs, options)
+
+
+def _with_stage_gradients(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with _placement.stage_gradients():
+            return fn(*args, **kwargs)
+
+    return run
