@@ -260,6 +260,9 @@ def test_compressors_work_inside_tf_function():
     (lambda: C.ErrorFeedback("topk"), "must be a tfdist_ext.compression.Compressor"),
     (lambda: C.get("zip"), "unknown compressor"),
     (lambda: C.TopK(0.1).init((3,), tf.int32), "unsupported gradient dtype int32"),
+    (lambda: C.DGC(warmup_epochs=0, min_size=-1), "min_size must be an integer >= 0"),
+    (lambda: C.ErrorFeedback(C.TopK(0.1), min_size=1.5), "min_size must be an integer"),
+    (lambda: C.OneBit(min_size="big"), "min_size"),
     (lambda: C.CompressedMirroredStrategy(["/cpu:0"], compression=42), "compression must be"),
 ])
 def test_bad_configuration_raises_value_error(make, message):
@@ -269,7 +272,9 @@ def test_bad_configuration_raises_value_error(make, message):
 
 @pytest.mark.parametrize("c", [
     C.TopK(0.02), C.RandomK(0.1, seed=4), C.QSGD(8), C.DGC(warmup_epochs=2, steps_per_epoch=5),
-    C.ErrorFeedback(C.TopK(0.3)), C.PowerSGD(4), C.OneBit(), C.EFSignSGD(), C.FP16()])
+    C.ErrorFeedback(C.TopK(0.3)), C.PowerSGD(4), C.OneBit(), C.EFSignSGD(), C.FP16(),
+    C.ErrorFeedback(C.RandomK(0.1), min_size=64), C.OneBit(min_size=8),
+    C.EFSignSGD(min_size=8), C.DGC(warmup_epochs=0, min_size=1024)])
 def test_config_roundtrip(c):
     import keras
 
@@ -281,3 +286,29 @@ def test_config_roundtrip(c):
 def test_get_by_name():
     assert isinstance(C.get("ef_topk", ratio=0.1), C.ErrorFeedback)
     assert C.get("qsgd", levels=2).levels == 2
+
+
+@pytest.mark.parametrize("make", [
+    lambda: C.ErrorFeedback(C.TopK(0.1), min_size=50), lambda: C.OneBit(min_size=50),
+    lambda: C.EFSignSGD(min_size=50),
+    lambda: C.DGC(sparsity=0.9, warmup_epochs=0, min_size=50, momentum_correction=False)])
+def test_min_size_sends_small_tensors_dense_and_compresses_the_rest(make):
+    c = make()
+    small, large = _grad((7, 7), seed=1), _grad((10, 10), seed=2)   # 49 < 50 <= 100
+    wire, state = _compress(c, small)
+    assert list(wire) == ["values"] and int(c.wire_bytes(wire)) == 4 * 49
+    np.testing.assert_array_equal(c.decompress(wire, small.shape), small)
+    np.testing.assert_array_equal(c.aggregate([wire, wire], small.shape), 2 * small)
+    assert not any(np.abs(v.numpy()).sum() for v in tf.nest.flatten(state))
+    wire, _ = _compress(c, large)
+    assert int(c.wire_bytes(wire)) < 4 * 100 / 4
+
+
+def test_dgc_min_size_is_momentum_sgd_on_small_tensors():
+    c = C.DGC(sparsity=0.99, momentum=0.9, warmup_epochs=0, min_size=10)
+    state, u = c.init((4,)), np.zeros(4)
+    for step in range(3):
+        g = _grad((4,), seed=step)
+        wire, state = c.compress(g, state, step)
+        u = 0.9 * u + g.numpy()
+        np.testing.assert_allclose(c.decompress(wire, (4,)), u, rtol=1e-6)

@@ -264,3 +264,211 @@ def test_only_the_wire_form_is_exchanged(cpu_devices):
     # One gather per replica, each of the 50 selected values (not 5000).
     assert len(gathered) == 2
     assert all(t.shape.num_elements() in (None, 50) for t in gathered)
+
+
+# -- numpy references of the error-feedback family under model.fit ------------
+#
+# A least-squares model (kernel (D, 1) + bias (1,)) trained by Keras' fit on 2
+# replicas, several steps per tf.function call and two calls, against a plain
+# numpy simulation of the same algorithm: per replica gradient of its half of
+# the batch (Keras scales each replica's loss by 1/R), its own residual /
+# momentum, the compressed wires summed, then SGD (heavy-ball momentum).
+
+D, B, R = 16, 4, 2
+
+
+def _ls_problem(steps, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(steps * B * R, D)).astype(np.float32)
+    w_star = rng.normal(size=(D, 1)).astype(np.float32)
+    return x, x @ w_star + 0.5, w_star
+
+
+def _np_topk(v, k):
+    out = np.zeros_like(v)
+    idx = np.argsort(-np.abs(v), kind="stable")[:k]
+    out[idx] = v[idx]
+    return out
+
+
+def _np_randomk(compressor):
+    def apply(v, step):
+        # The random index set is the compressor's (stateless, seeded by step and
+        # size); read it through the public API by compressing 1, 2, ..., n.
+        n = v.size
+        wire, _ = compressor.compress(tf.range(1, n + 1, dtype=tf.float32), {}, step)
+        idx = wire["values"].numpy().astype(np.int64) - 1
+        out = np.zeros_like(v)
+        out[idx] = v[idx]
+        return out
+    return apply
+
+
+def _np_scaled_sign(v):
+    return np.where(v < 0, -1.0, 1.0) * np.abs(v).mean()
+
+
+def _np_onebit(v):
+    neg = v < 0
+    pos_mean = v[~neg].mean() if (~neg).any() else 0.0
+    neg_mean = v[neg].mean() if neg.any() else 0.0
+    return np.where(neg, neg_mean, pos_mean)
+
+
+def _np_ef(compress, min_size=0):
+    """Error feedback around ``compress(v, step)``; returns ``(init, send)``."""
+    def send(g, state, step):
+        if g.size < min_size:
+            return g, state
+        p = g + state
+        sent = compress(p, step)
+        return sent, p - sent
+    return (lambda n: np.zeros(n)), send
+
+
+def _np_dgc(k_of, momentum=0.9, min_size=0):
+    def send(g, state, step):
+        u, v = state
+        u = momentum * u + g
+        if g.size < min_size:
+            return u, (u, v)
+        v = v + u
+        sent = _np_topk(v, k_of(g.size))
+        mask = sent != 0
+        return sent, (np.where(mask, 0.0, u), np.where(mask, 0.0, v))
+    return (lambda n: (np.zeros(n), np.zeros(n))), send
+
+
+def _np_train(x, y, init, send, steps, lr, momentum):
+    w, b = np.zeros(D), np.zeros(1)
+    params = [w, b]
+    buf = [np.zeros(D), np.zeros(1)]
+    states = [[init(D), init(1)] for _ in range(R)]
+    for step in range(steps):
+        xb = x[step * B * R:(step + 1) * B * R].astype(np.float64)
+        yb = y[step * B * R:(step + 1) * B * R, 0].astype(np.float64)
+        total = [np.zeros(D), np.zeros(1)]
+        for r in range(R):
+            xr, yr = xb[r * B:(r + 1) * B], yb[r * B:(r + 1) * B]
+            err = xr @ params[0] + params[1][0] - yr
+            grads = [(2.0 / (R * B)) * xr.T @ err, np.array([(2.0 / (R * B)) * err.sum()])]
+            for j, g in enumerate(grads):
+                sent, states[r][j] = send(g, states[r][j], step)
+                total[j] = total[j] + sent
+        for j in range(2):   # Keras SGD: m = momentum * m - lr * g; w += m
+            buf[j] = momentum * buf[j] - lr * total[j]
+            params[j] = params[j] + buf[j]
+    return params
+
+
+def _fit_ls(cpu_devices, compressor, x, y, lr, momentum, steps_per_call, calls):
+    strategy = _strategy(cpu_devices[:R], compressor)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(
+            1, kernel_initializer="zeros", bias_initializer="zeros")])
+        model.compile(keras.optimizers.SGD(lr, momentum=momentum), "mse",
+                      steps_per_execution=steps_per_call)
+    per_call = steps_per_call * B * R
+    for c in range(calls):   # several fit calls: the state persists across them
+        part = slice(c * per_call, (c + 1) * per_call)
+        model.fit(tf.data.Dataset.from_tensor_slices((x[part], y[part])).batch(B * R),
+                  epochs=1, verbose=0)
+    kernel, bias = model.get_weights()
+    return strategy, kernel[:, 0], bias
+
+
+_K = 0.25   # top-k / random-k ratio: 4 of the 16 kernel entries, the whole bias
+
+
+@pytest.mark.parametrize("name,make,reference,momentum", [
+    ("ef-topk", lambda: C.ErrorFeedback(C.TopK(_K)),
+     lambda c: _np_ef(lambda v, s: _np_topk(v, int(np.ceil(_K * v.size)))), 0.9),
+    ("ef-topk min_size", lambda: C.ErrorFeedback(C.TopK(_K), min_size=2),
+     lambda c: _np_ef(lambda v, s: _np_topk(v, int(np.ceil(_K * v.size))), min_size=2), 0.9),
+    ("ef-randomk", lambda: C.ErrorFeedback(C.RandomK(_K, seed=3)),
+     lambda c: _np_ef(_np_randomk(c.compressor)), 0.9),
+    ("ef-signsgd", lambda: C.EFSignSGD(),
+     lambda c: _np_ef(lambda v, s: _np_scaled_sign(v)), 0.9),
+    ("onebit", lambda: C.OneBit(), lambda c: _np_ef(lambda v, s: _np_onebit(v)), 0.9),
+    ("dgc", lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0),
+     lambda c: _np_dgc(lambda n: int(np.ceil(_K * n))), 0.0),
+    ("dgc min_size", lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0,
+                                   min_size=2),
+     lambda c: _np_dgc(lambda n: int(np.ceil(_K * n)), min_size=2), 0.0),
+])
+def test_error_feedback_family_matches_a_numpy_reference(cpu_devices, name, make,
+                                                          reference, momentum):
+    steps_per_call, calls = 3, 2
+    x, y, _ = _ls_problem(steps_per_call * calls)
+    compressor = make()
+    strategy, kernel, bias = _fit_ls(cpu_devices, compressor, x, y, 0.05, momentum,
+                                     steps_per_call, calls)
+    w, b = _np_train(x, y, *reference(compressor), steps_per_call * calls, 0.05, momentum)
+    assert np.abs(w).sum() > 0
+    np.testing.assert_allclose(kernel, w, rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(bias, b, rtol=2e-4, atol=2e-5)
+    # Dense reference differs: the compressor did change the trajectory.
+    w_dense, _ = _np_train(x, y, (lambda n: None), lambda g, s, i: (g, s),
+                           steps_per_call * calls, 0.05, momentum)
+    assert not np.allclose(w, w_dense, atol=1e-3)
+    if name in ("ef-topk", "ef-topk min_size", "dgc", "dgc min_size"):
+        # Per replica and step: 4 kernel values + 4 indices (32 bytes), and the
+        # bias as 1 value + 1 index (8 bytes), or dense below min_size (4 bytes).
+        per_step = 32 + (4 if "min_size" in name else 8)
+        stats = strategy.compression_stats()
+        assert stats["wire_bytes"] == R * steps_per_call * calls * per_step
+
+
+@pytest.mark.parametrize("make,momentum,lr", [
+    (lambda: C.ErrorFeedback(C.TopK(_K)), 0.9, 0.02),
+    (lambda: C.ErrorFeedback(C.RandomK(_K)), 0.0, 0.1),
+    (lambda: C.EFSignSGD(), 0.9, 0.02),
+    (lambda: C.OneBit(), 0.9, 0.02),
+    (lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0), 0.0, 0.1),
+])
+def test_error_feedback_family_converges_to_the_least_squares_optimum(cpu_devices, make,
+                                                                       momentum, lr):
+    # A consistent, over-determined problem (32 samples, 17 unknowns, y = X w* +
+    # 0.5) cycled in 4 batches: the optimum has zero gradient on every sample,
+    # so error feedback must reach it with a constant step.
+    steps = 300
+    x, y, w_star = _ls_problem(4, seed=1)
+    x, y = np.tile(x, (steps // 4, 1)), np.tile(y, (steps // 4, 1))
+    _, kernel, bias = _fit_ls(cpu_devices, make(), x, y, lr, momentum, steps, 1)
+    np.testing.assert_allclose(kernel, w_star[:, 0], atol=1e-2)
+    np.testing.assert_allclose(bias, [0.5], atol=1e-2)
+
+
+def test_unsupported_variable_dtype_is_refused_when_the_optimizer_is_built(cpu_devices):
+    strategy = _strategy(cpu_devices[:2], C.ErrorFeedback(C.TopK(0.5)))
+    with strategy.scope():
+        ok = keras.Variable(np.zeros(4, np.float32))
+        bad = keras.Variable(np.zeros(4, np.int32), trainable=True, name="counts")
+        opt = keras.optimizers.SGD(0.1)
+        # Before any gradient exists: at build, not at the first step.
+        with pytest.raises(ValueError, match="'counts'.*dtype int32.*unsupported gradient"):
+            opt.build([ok, bad])
+        opt2 = keras.optimizers.SGD(0.1)
+        opt2.build([ok])   # float variables build as usual
+    assert opt2.built
+    # A plain strategy's optimizer is not checked.
+    with tf.distribute.MirroredStrategy(cpu_devices[:1]).scope():
+        keras.optimizers.SGD(0.1).build([keras.Variable(np.zeros(4, np.float32))])
+
+
+def test_fit_refuses_an_unsupported_variable_dtype_before_the_first_step(cpu_devices):
+    class IntegerWeight(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1],), dtype="int32", trainable=True,
+                                     initializer="zeros")
+
+        def call(self, x):
+            return x * tf.cast(self.w, x.dtype)
+
+    strategy = _strategy(cpu_devices[:2], C.TopK(0.5))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((4,)), IntegerWeight(), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    with pytest.raises(ValueError, match="CompressedMirroredStrategy: variable .* dtype int32"):
+        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 1), np.float32), verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0

@@ -28,7 +28,7 @@ def check_ratio(owner, name, value):
 
 def check_positive(owner, name, value, *, integer=False, allow_zero=False):
     ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    low_ok = value >= 0 if allow_zero else value > 0
+    low_ok = ok_type and (value >= 0 if allow_zero else value > 0)
     if isinstance(value, bool) or not ok_type or not low_ok:
         kind = "an integer" if integer else "a number"
         bound = ">= 0" if allow_zero else "> 0"
@@ -121,15 +121,27 @@ class ErrorFeedback(Compressor):
     compresses the sum, and keeps ``corrected - decompress(wire)`` as its new
     residual. The residual is per sender (per replica) state.
 
+    Tensors with fewer than ``min_size`` elements (biases, normalisation
+    parameters, a small output layer) skip the compressor and the memory and
+    are sent dense, as DGC's reference implementation does: compressing a
+    32-entry bias to one entry per step delays most of it by tens of steps.
+    The bytes they cost are counted like any other wire bytes.
+
+    Args:
+      compressor: the compressor applied to ``gradient + residual``.
+      min_size: tensors with fewer elements are sent dense (0: compress all).
+
     Example:
       >>> ef = ErrorFeedback(TopK(0.01))
+      >>> ErrorFeedback(TopK(0.01), min_size=1024).is_dense((64,))
+      True
       >>> state = ef.init((1000,))
       >>> wire, state = ef.compress(tf.random.normal([1000]), state, step=0)
       >>> state["residual"].shape
       TensorShape([1000])
     """
 
-    def __init__(self, compressor):
+    def __init__(self, compressor, min_size=0):
         if isinstance(compressor, dict):
             compressor = keras.saving.deserialize_keras_object(compressor)
         if not isinstance(compressor, Compressor):
@@ -137,27 +149,45 @@ class ErrorFeedback(Compressor):
                 f"ErrorFeedback: compressor must be a tfdist_ext.compression."
                 f"Compressor, got {compressor!r}")
         self.compressor = compressor
+        self.min_size = check_positive(type(self).__name__, "min_size", min_size,
+                                       integer=True, allow_zero=True)
         self.name = f"ef_{compressor.name}"
+
+    def is_dense(self, shape):
+        """True when a gradient of ``shape`` has fewer than ``min_size`` elements (sent dense)."""
+        return _wire.static_num_elements(shape) < self.min_size
 
     def init(self, shape, dtype=tf.float32):
         self.check_dtype(dtype)
+        if self.is_dense(shape):
+            return {}
         return {"residual": tf.zeros(shape, tf.float32),
                 "inner": self.compressor.init(shape, dtype)}
 
     def compress(self, grad, state, step):
+        if self.is_dense(grad.shape):
+            return {"values": _flat32(grad)}, state
         corrected = tf.cast(grad, tf.float32) + state["residual"]
         wire, inner = self.compressor.compress(corrected, state["inner"], step)
         sent = self.compressor.decompress(wire, corrected.shape, tf.float32)
         return wire, {"residual": corrected - sent, "inner": inner}
 
     def decompress(self, wire, shape, dtype=tf.float32):
+        if self.is_dense(shape):
+            return _restore(wire["values"], shape, dtype)
         return self.compressor.decompress(wire, shape, dtype)
 
     def aggregate(self, wires, shape, dtype=tf.float32):
+        if self.is_dense(shape):
+            return _restore(tf.add_n([w["values"] for w in wires]), shape, dtype)
         return self.compressor.aggregate(wires, shape, dtype)
 
     def get_config(self):
-        return {"compressor": keras.saving.serialize_keras_object(self.compressor)}
+        config = {"compressor": keras.saving.serialize_keras_object(self.compressor)}
+        if self.min_size:
+            config["min_size"] = self.min_size
+        return config
 
     def __repr__(self):
-        return f"ErrorFeedback({self.compressor!r})"
+        extra = f", min_size={self.min_size}" if self.min_size else ""
+        return f"ErrorFeedback({self.compressor!r}{extra})"

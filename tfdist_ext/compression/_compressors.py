@@ -356,19 +356,24 @@ class ScaledSign(_SignBits):
 class EFSignSGD(ErrorFeedback):
     """EF-SignSGD (Karimireddy et al. 2019): scaled sign with error feedback.
 
+    The scale is ``||p||_1 / d`` of the error-corrected gradient ``p``.
+    ``min_size``: tensors with fewer elements are sent dense (see
+    :class:`ErrorFeedback`).
+
     Example:
       >>> c = EFSignSGD()
+      >>> c = EFSignSGD(min_size=1024)   # biases and small layers dense
     """
 
-    def __init__(self, compressor=None):
-        super().__init__(ScaledSign() if compressor is None else compressor)
+    def __init__(self, compressor=None, min_size=0):
+        super().__init__(ScaledSign() if compressor is None else compressor, min_size=min_size)
         self.name = "efsignsgd"
 
     def get_config(self):
-        return {}
+        return {"min_size": self.min_size} if self.min_size else {}
 
     def __repr__(self):
-        return "EFSignSGD()"
+        return f"EFSignSGD(min_size={self.min_size})" if self.min_size else "EFSignSGD()"
 
 
 @register
@@ -397,21 +402,23 @@ class OneBit(ErrorFeedback):
 
     Each entry is sent as its sign; the receiver reconstructs the mean of the
     positive entries or of the negative entries (two float32 on the wire).
-    The quantisation error is carried to the next step.
+    The quantisation error is carried to the next step. ``min_size``: tensors
+    with fewer elements are sent dense (see :class:`ErrorFeedback`).
 
     Example:
       >>> c = OneBit()
+      >>> c = OneBit(min_size=1024)
     """
 
-    def __init__(self, compressor=None):
-        super().__init__(_OneBitQuantizer() if compressor is None else compressor)
+    def __init__(self, compressor=None, min_size=0):
+        super().__init__(_OneBitQuantizer() if compressor is None else compressor, min_size=min_size)
         self.name = "onebit"
 
     def get_config(self):
-        return {}
+        return {"min_size": self.min_size} if self.min_size else {}
 
     def __repr__(self):
-        return "OneBit()"
+        return f"OneBit(min_size={self.min_size})" if self.min_size else "OneBit()"
 
 
 @register
@@ -520,6 +527,13 @@ class DGC(Compressor):
     the sender only accumulates gradients (Gradient Dropping) and the
     optimizer keeps its own momentum.
 
+    Tensors with fewer than ``min_size`` elements (biases, BN parameters,
+    small layers) are not sparsified, as in the paper's reference
+    implementation: they are sent dense (float32), with plain momentum
+    ``u = momentum * u + g`` when momentum correction is on (so they follow
+    momentum SGD exactly) and the raw gradient otherwise. Their bytes count
+    in the measured ratio.
+
     Args:
       sparsity: final fraction of entries *not* sent, in [0, 1).
       momentum: the momentum of the correction, in [0, 1).
@@ -527,16 +541,18 @@ class DGC(Compressor):
       warmup_epochs: epochs of exponential sparsity warm-up (0: none).
       steps_per_epoch: optimizer steps per epoch; required for warm-up.
       momentum_correction: accumulate momentum (True) or raw gradients.
+      min_size: tensors with fewer elements are sent dense (0: sparsify all).
 
     Example:
       >>> c = DGC(sparsity=0.999, momentum=0.9, clip_norm=5.0,
       ...         warmup_epochs=4, steps_per_epoch=100)
+      >>> c = DGC(sparsity=0.999, warmup_epochs=0, min_size=1024)   # biases dense
     """
 
     name = "dgc"
 
     def __init__(self, sparsity=0.999, momentum=0.9, clip_norm=None, warmup_epochs=4,
-                 steps_per_epoch=None, momentum_correction=True):
+                 steps_per_epoch=None, momentum_correction=True, min_size=0):
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) \
                 or not 0.0 <= sparsity < 1.0:
             raise ValueError(f"DGC: sparsity must be a number in [0, 1), got {sparsity!r}")
@@ -559,6 +575,12 @@ class DGC(Compressor):
         self.warmup_epochs = warmup_epochs
         self.steps_per_epoch = steps_per_epoch
         self.momentum_correction = bool(momentum_correction)
+        self.min_size = check_positive("DGC", "min_size", min_size, integer=True,
+                                       allow_zero=True)
+
+    def is_dense(self, shape):
+        """True when a gradient of ``shape`` has fewer than ``min_size`` elements (sent dense)."""
+        return _num(shape) < self.min_size
 
     def init(self, shape, dtype=tf.float32):
         self.check_dtype(dtype)
@@ -578,6 +600,11 @@ class DGC(Compressor):
         g = _flat32(grad)
         if self.clip_norm is not None:
             g = tf.clip_by_norm(g, self.clip_norm)
+        if self.is_dense(grad.shape):
+            if not self.momentum_correction:
+                return {"values": g}, state
+            u = self.momentum * state["u"] + g
+            return {"values": u}, {"u": u, "v": state["v"]}
         if self.momentum_correction:
             u = self.momentum * state["u"] + g
             v = state["v"] + u
@@ -597,13 +624,18 @@ class DGC(Compressor):
         return {"values": values, "indices": idx}, {"u": u, "v": v}
 
     def decompress(self, wire, shape, dtype=tf.float32):
+        if self.is_dense(shape):
+            return _restore(wire["values"], shape, dtype)
         return _sparse_decompress(wire, shape, dtype)
 
     def aggregate(self, wires, shape, dtype=tf.float32):
+        if self.is_dense(shape):
+            return _restore(tf.add_n([w["values"] for w in wires]), shape, dtype)
         return _sparse_aggregate(wires, shape, dtype)
 
     def get_config(self):
         return {"sparsity": self.sparsity, "momentum": self.momentum,
                 "clip_norm": self.clip_norm, "warmup_epochs": self.warmup_epochs,
                 "steps_per_epoch": self.steps_per_epoch,
-                "momentum_correction": self.momentum_correction}
+                "momentum_correction": self.momentum_correction,
+                "min_size": self.min_size}

@@ -46,6 +46,16 @@ def _install_keras_hook():
 
         _all_reduce_sum_gradients.__wrapped__ = original
         keras_tf_optimizer.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
+        # TFOptimizer defines no ``build``: this one sits between the concrete
+        # optimizers' ``build`` (SGD, Adam, ...) and BaseOptimizer's in the MRO.
+        def build(self, variables):
+            strategy = getattr(self, "_distribution_strategy", None)
+            if isinstance(strategy, _CompressedExchange):
+                strategy._check_variable_dtypes(variables)
+            return super(keras_tf_optimizer.TFOptimizer, self).build(variables)
+
+        keras_tf_optimizer.TFOptimizer.build = build
         _HOOK_INSTALLED = True
 
 
@@ -96,6 +106,24 @@ class _CompressedExchange:
         self._optimizers = weakref.WeakKeyDictionary()
         self._counters = None
         _install_keras_hook()
+
+    def _check_variable_dtypes(self, variables):
+        """Raises ValueError before the first step if the compressor cannot take a variable's dtype.
+
+        Called when an optimizer created under this strategy is built (Keras'
+        ``fit`` builds it before tracing the first step; ``optimizer.build``
+        and the first ``apply`` too).
+        """
+        for var in variables:
+            if not getattr(var, "trainable", True):
+                continue
+            try:
+                self._compression.check_dtype(var.dtype)
+            except ValueError as e:
+                raise ValueError(
+                    f"{type(self).__name__}: variable {getattr(var, 'path', var.name)!r} has "
+                    f"dtype {tf.as_dtype(var.dtype).name}, which the compressor "
+                    f"{self._compression!r} cannot take: {e}") from None
 
     @property
     def compression(self):
