@@ -96,7 +96,7 @@ class Evaluator:
         self.devices = [f"/job:worker/replica:0/task:{i}/device:CPU:0"
                         for i in range(strategy.num_workers)]
         self._structure = data
-        self._workers = [self._build_worker(w, flat) for w in range(len(self.devices))]
+        self._workers = self._build_workers(flat, strategy.deadline)
         self.slices = _split(self.num_examples, strategy.slices_per_worker * len(self.devices))
         self._cv = threading.Condition()
         self._pass = None
@@ -108,6 +108,33 @@ class Evaluator:
         self.reports = []
 
     # ------------------------------------------------------------ building
+    def _build_workers(self, flat, deadline):
+        """Sends the data to every worker at once, each send with a deadline."""
+        built = [None] * len(self.devices)
+        errors = []
+
+        def build(w):
+            try:
+                built[w] = self._build_worker(w, flat)
+            except Exception as e:  # reported below, in the caller's thread
+                errors.append(e)
+
+        threads = [threading.Thread(target=build, args=(w,), daemon=True,
+                                    name=f"sandblaster-upload-{w}")
+                   for w in range(len(self.devices))]
+        for thread in threads:
+            thread.start()
+        end = time.monotonic() + deadline
+        for w, thread in enumerate(threads):
+            thread.join(timeout=max(0.0, end - time.monotonic()))
+            if thread.is_alive():
+                raise ClusterTimeoutError(
+                    f"Sandblaster: sending the training data to worker {w} did not finish "
+                    f"within {deadline:.0f} s")
+        if errors:
+            raise errors[0]
+        return built
+
     def _build_worker(self, w, flat):
         blocks = [piece for group in self.parameters for piece in group]
         with tf.device(self.devices[w]):
