@@ -18,6 +18,27 @@ import time
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
+def run_in_process(module, cfg, timeout=900):
+    """Runs ``python -m MODULE 'json cfg'`` from the repository root, with a deadline.
+
+    The module prints one line ``RESULT {json}``; returns that object. Each
+    measured run is a fresh interpreter: a process connects to one
+    TensorFlow cluster only, and logical devices are fixed per process.
+    """
+    import subprocess
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "-m", module, json.dumps(cfg)],
+        cwd=repo, capture_output=True, text=True, timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdin=subprocess.DEVNULL,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError(f"benchmark run {cfg} failed:\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def interleaved(systems, repeats, warmup=1):
     """Measures several systems round-robin and returns their samples.
 

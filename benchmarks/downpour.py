@@ -16,28 +16,14 @@ interleaved round by round and summarised by medians.
 """
 
 import collections
-import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 
 from benchmarks import _harness
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 def _run(cfg, timeout=900):
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks._downpour_run", json.dumps(cfg)],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdin=subprocess.DEVNULL,
-    )
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    if not lines:
-        raise RuntimeError(f"benchmark run {cfg} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return _harness.run_in_process("benchmarks._downpour_run", cfg, timeout)
 
 
 def _interleave(configs, repeats):

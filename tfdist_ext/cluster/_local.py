@@ -133,6 +133,9 @@ class _Task:
         if self.process.poll() is None:
             try:
                 os.killpg(self.process.pid, sig)
+                # A stopped task (see LocalCluster.throttle) acts on the
+                # signal only once continued.
+                os.killpg(self.process.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
             try:
