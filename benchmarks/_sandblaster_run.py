@@ -17,7 +17,7 @@ import numpy as np
 LAM = 1e-3
 
 
-def _problem(name, seed, n=None, d=None):
+def _problem(name, seed, n=None, d=None, classes=10):
     from tfdist_ext import datasets
 
     if name == "digits":
@@ -25,8 +25,8 @@ def _problem(name, seed, n=None, d=None):
         return x.astype("float32"), y.astype("int64")
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n, d)).astype("float32")
-    w = rng.normal(size=(d, 10)).astype("float32") / np.sqrt(d) * 3.0
-    y = np.argmax(x @ w + rng.gumbel(size=(n, 10)), 1).astype("int64")
+    w = rng.normal(size=(d, classes)).astype("float32") / np.sqrt(d) * 3.0
+    y = np.argmax(x @ w + rng.gumbel(size=(n, classes)), 1).astype("int64")
     return x, y
 
 
@@ -161,13 +161,14 @@ def task_scaling(cfg):
     import tfdist_ext
     from tfdist_ext.cluster import LocalCluster
 
-    x, y = _problem("synthetic", cfg["seed"], cfg["n"], cfg["d"])
+    classes = cfg.get("classes", 10)
+    x, y = _problem("synthetic", cfg["seed"], cfg["n"], cfg["d"], classes)
     loss_fn = _loss_fn(tf)
     with LocalCluster(num_workers=cfg["workers"], num_ps=cfg["ps"]) as cluster:
         strategy = tfdist_ext.SandblasterStrategy(cluster.resolver)
         with strategy.scope():
-            w = tf.Variable(tf.zeros([x.shape[1], 10]))
-            b = tf.Variable(tf.zeros([10]))
+            w = tf.Variable(tf.zeros([x.shape[1], classes]))
+            b = tf.Variable(tf.zeros([classes]))
         tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
                                         max_iterations=1)       # warm-up
         w.assign(tf.zeros_like(w))

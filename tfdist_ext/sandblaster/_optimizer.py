@@ -2,6 +2,10 @@
 
 import keras
 
+# Bracketing + zoom with cubic interpolation (Nocedal & Wright 3.5/3.6, as
+# scipy.optimize.line_search); the steps it accepts satisfy the strong Wolfe
+# conditions.
+_LINE_SEARCHES = ("strong_wolfe",)
 _KERAS_ONLY = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
                "loss_scale_factor", "gradient_accumulation_steps")
 
@@ -22,9 +26,13 @@ class LBFGS(keras.optimizers.Optimizer):
 
     Args:
       memory: number of (s, y) correction pairs kept (SciPy's ``maxcor``).
-      gtol: stop when ``max |gradient| <= gtol`` (SciPy's ``gtol``/``pgtol``).
+      gtol: stop when ``max |gradient| <= gtol`` (SciPy's ``gtol``; TensorFlow
+        Probability calls it ``tolerance``).
       ftol: stop when ``(f_k - f_{k+1}) / max(|f_k|, |f_{k+1}|, 1) <= ftol``.
       max_iterations: stop after this many iterations (None: only ``epochs``).
+      line_search: ``"strong_wolfe"``: bracketing and zoom with safeguarded
+        cubic interpolation (Nocedal & Wright, Algorithms 3.5-3.6, the method
+        of ``scipy.optimize.line_search``).
       max_line_search: function evaluations allowed per line search (``maxls``).
       c1, c2: sufficient-decrease and curvature constants of the strong
         Wolfe conditions, ``0 < c1 < c2 < 1``.
@@ -39,11 +47,15 @@ class LBFGS(keras.optimizers.Optimizer):
     """
 
     def __init__(self, memory=10, gtol=1e-5, ftol=2.220446049250313e-09, max_iterations=None,
-                 max_line_search=20, c1=1e-4, c2=0.9, name="lbfgs", **kwargs):
+                 line_search="strong_wolfe", max_line_search=20, c1=1e-4, c2=0.9,
+                 name="lbfgs", **kwargs):
         kwargs.pop("learning_rate", None)
         for key in _KERAS_ONLY:
             if kwargs.get(key) not in (None, False):
                 raise ValueError(f"LBFGS: {key} is not supported (L-BFGS takes no such option)")
+        if line_search not in _LINE_SEARCHES:
+            raise ValueError(f"LBFGS: line_search must be one of {sorted(_LINE_SEARCHES)}, "
+                             f"got {line_search!r}")
         _check_int("memory", memory, 1)
         _check_int("max_line_search", max_line_search, 1)
         if max_iterations is not None:
@@ -58,6 +70,7 @@ class LBFGS(keras.optimizers.Optimizer):
         self.gtol = float(gtol)
         self.ftol = float(ftol)
         self.max_iterations = max_iterations
+        self.line_search = line_search
         self.max_line_search = max_line_search
         self.c1 = float(c1)
         self.c2 = float(c2)
@@ -79,7 +92,8 @@ class LBFGS(keras.optimizers.Optimizer):
         for key in ("learning_rate",) + _KERAS_ONLY + ("ema_momentum", "ema_overwrite_frequency"):
             config.pop(key, None)
         config.update(memory=self.memory, gtol=self.gtol, ftol=self.ftol,
-                      max_iterations=self.max_iterations, max_line_search=self.max_line_search,
+                      max_iterations=self.max_iterations, line_search=self.line_search,
+                      max_line_search=self.max_line_search,
                       c1=self.c1, c2=self.c2)
         return config
 
