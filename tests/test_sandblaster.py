@@ -207,7 +207,7 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
 
 
 def test_backups_stragglers_and_a_killed_worker_keep_results_exact(script):
-    """Backup copies beat a throttled worker, a killed worker's slices are redone; same iterates."""
+    """Backup copies beat a throttled worker, a killed worker's slices are redone; identical iterates."""
     proc = script(PRELUDE + r"""
 with LocalCluster(num_workers=3, num_ps=1) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, slices_per_worker=4, deadline=30)
@@ -247,11 +247,10 @@ with LocalCluster(num_workers=3, num_ps=1) as cluster:
     # Every pass counted each of its 12 slices exactly once.
     assert set(r["slices"]) == {12} and r["counted"] == r["slices"]
     assert r["backups"] > 0, r
-    # Sums in a different order differ only by round-off: the same iterates.
-    for other in ("slow", "killed"):
-        assert len(r[other]) == len(r["clean"])
-        for a, b in zip(r["clean"], r[other]):
-            assert abs(a - b) <= 1e-5 * abs(a), (other, r["clean"], r[other])
+    # The accumulator sums slice gradients in float64 (exact in practice), so
+    # the order slices finish in does not matter: the very same iterates.
+    assert r["slow"] == r["clean"], (r["clean"], r["slow"])
+    assert r["killed"] == r["clean"], (r["clean"], r["killed"])
     assert r["lost"] == [1] and r["last_per_worker"][1] == 0
     assert abs(r["loss_now"] - r["fun"]) / r["fun"] < 1e-5
 

@@ -39,16 +39,18 @@ class ShardedVectors:
         self.memory = memory
         self.num_workers = num_workers
 
-        def zeros(block, shape, name):
+        def zeros(block, shape, name, dtype=None):
             with tf.device(block.device):
-                return tf.Variable(tf.zeros(shape, block.dtype), trainable=False,
+                return tf.Variable(tf.zeros(shape, dtype or block.dtype), trainable=False,
                                    name=f"sandblaster_{name}")
 
         # One list per vector, in block order.
         self.base = [zeros(b, b.shape, "x") for b in self.blocks]       # accepted point
         self.grad = [zeros(b, b.shape, "g") for b in self.blocks]       # its gradient
         self.direction = [zeros(b, b.shape, "d") for b in self.blocks]
-        self.accumulator = [zeros(b, b.shape, "acc") for b in self.blocks]
+        # float64: a sum of float32 slice gradients is then exact in practice,
+        # so the gradient does not depend on the order slices finish in.
+        self.accumulator = [zeros(b, b.shape, "acc", _F64) for b in self.blocks]
         self.s = [zeros(b, [memory, *b.shape], "s") for b in self.blocks]
         self.y = [zeros(b, [memory, *b.shape], "y") for b in self.blocks]
         self.stage = [[zeros(b, b.shape, f"stage{w}") for b in self.blocks]
@@ -88,7 +90,7 @@ class ShardedVectors:
             slope = tf.add_n(self._per_block(lambda b, g, d: _dot(g, d),
                                              self.accumulator, self.direction))
             gmax = tf.reduce_max(tf.stack(self._per_block(
-                lambda b, g: tf.cast(tf.reduce_max(tf.abs(g)), _F64), self.accumulator)))
+                lambda b, g: tf.reduce_max(tf.abs(g.read_value())), self.accumulator)))
             finite = tf.reduce_all(tf.stack(self._per_block(
                 lambda b, g: tf.reduce_all(tf.math.is_finite(g)), self.accumulator)))
             return slope, gmax, finite
@@ -98,8 +100,8 @@ class ShardedVectors:
             # The first evaluated point becomes the base point.
             def one(b, x, g, a):
                 x.assign(b)
-                g.assign(a)
-                return _dot(a, a), tf.cast(tf.reduce_max(tf.abs(a)), _F64)
+                g.assign(tf.cast(a, b.dtype))
+                return _dot(a, a), tf.reduce_max(tf.abs(a.read_value()))
             parts = self._per_block(one, self.base, self.grad, self.accumulator)
             return tf.add_n([p[0] for p in parts]), tf.reduce_max(tf.stack([p[1] for p in parts]))
 
@@ -109,13 +111,13 @@ class ShardedVectors:
             # new point and gradient become the base. Returns s.y, y.y, max|g|.
             def one(b, x, g, a, s, y):
                 s_new = b - x
-                y_new = a - g
+                y_new = tf.cast(a, b.dtype) - g
                 s.scatter_update(tf.IndexedSlices(s_new[None], slot[None]))
                 y.scatter_update(tf.IndexedSlices(y_new[None], slot[None]))
                 x.assign(b)
-                g.assign(a)
+                g.assign(tf.cast(a, b.dtype))
                 return (_dot(s_new, y_new), _dot(y_new, y_new),
-                        tf.cast(tf.reduce_max(tf.abs(a)), _F64))
+                        tf.reduce_max(tf.abs(a.read_value())))
             parts = self._per_block(one, self.base, self.grad, self.accumulator, self.s, self.y)
             return (tf.add_n([p[0] for p in parts]), tf.add_n([p[1] for p in parts]),
                     tf.reduce_max(tf.stack([p[2] for p in parts])))
@@ -177,7 +179,8 @@ class ShardedVectors:
 
         @tf.function
         def commit():
-            self._per_block(lambda b, a, s: a.assign_add(s), self.accumulator, stage)
+            self._per_block(lambda b, a, s: a.assign_add(tf.cast(s, _F64)),
+                            self.accumulator, stage)
 
         return commit
 
