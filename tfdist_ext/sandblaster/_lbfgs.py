@@ -8,6 +8,9 @@ Conventions follow SciPy's ``L-BFGS-B`` without bounds: the first step is
 if ``s.y > eps * y.y``; the initial inverse Hessian is ``(s.y / y.y) I``;
 stopping rules ``max|g| <= gtol``, ``(f_k - f_{k+1}) / max(|f_k|, |f_{k+1}|, 1)
 <= ftol`` and an iteration limit, with SciPy's status codes and messages.
+A failed line search restarts once from steepest descent, as SciPy does,
+unless no trial point moved f beyond the round-off of the parameters' dtype
+(float32 near a minimum), where a restart cannot help.
 """
 
 import math
@@ -25,6 +28,7 @@ CONVERGED_GTOL = "CONVERGENCE: NORM OF PROJECTED GRADIENT <= PGTOL"
 CONVERGED_FTOL = "CONVERGENCE: RELATIVE REDUCTION OF F <= FACTR*EPSMCH"
 ITERATION_LIMIT = "STOP: TOTAL NO. OF ITERATIONS REACHED LIMIT"
 LINE_SEARCH_FAILED = "ABNORMAL: LINE SEARCH FAILED"
+LINE_SEARCH_ROUND_OFF = "ABNORMAL: LINE SEARCH FAILED (no decrease beyond round-off)"
 
 
 class OptimizeResult(dict):
@@ -71,6 +75,7 @@ class LBFGSRun:
         self._rho = [0.0] * self.memory
         self._gamma = 1.0
         self._last = None
+        self._trials = []   # f at each trial point of the current line search
 
     # ------------------------------------------------------------ helpers
     def _op(self, name, *args):
@@ -123,13 +128,22 @@ class LBFGSRun:
             slope, dd = self._op("steepest_descent")
         return slope, dd
 
+    def _at_round_off(self):
+        """Whether no trial point of the failed search moved f beyond the parameters' round-off."""
+        eps = float(np.finfo(self.vectors.blocks[0].dtype.as_numpy_dtype).eps)
+        spread = max((abs(f - self.f) for f in self._trials), default=0.0)
+        return spread <= 16.0 * eps * max(abs(self.f), 1.0)
+
     def _line_search(self, slope, dd):
         # As L-BFGS-B: a first step of length 1 along -g, then unit steps.
         first_step = 1.0 if self._count else min(1.0 / math.sqrt(dd), 1e10)
 
+        self._trials = []
+
         def phi(step):
             self._op("move_to", step)
             f, s, _, _ = self._evaluate(step)
+            self._trials.append(f)
             return f, s
 
         o = self.options
@@ -164,6 +178,12 @@ class LBFGSRun:
             step, f, _, _ = self._line_search(slope, dd)
         except LineSearchError:
             self._op("restore")
+            if self._at_round_off():
+                # f cannot decrease beyond the round-off of the parameters'
+                # dtype (float32 near a minimum): a steepest-descent retry
+                # would only spend another max_line_search passes.
+                self._stop(2, LINE_SEARCH_ROUND_OFF)
+                return self._record(t0, 0.0)
             if self._count:         # forget the history and try steepest descent once
                 self._count = 0
                 slope, dd = self._direction()
