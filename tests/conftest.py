@@ -72,3 +72,22 @@ def _quiet(stderr):
 def script():
     """The ``run_script`` helper as a fixture."""
     return run_script
+
+
+def run_tutorial(filename, *args, timeout):
+    """Runs ``tutorials/FILENAME`` as a user would: from the repository root, in a
+    fresh interpreter, with a deadline. Returns its stdout; a non-zero exit
+    fails the test with the end of its stderr."""
+    proc = subprocess.run(
+        [sys.executable, os.path.join("tutorials", filename), *args],
+        cwd=REPO, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert proc.returncode == 0, _quiet(proc.stderr)[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture
+def tutorial():
+    """The ``run_tutorial`` helper as a fixture."""
+    return run_tutorial

@@ -1,24 +1,11 @@
 """Runs tutorials/05_model_parallelism.py end to end in a fresh interpreter."""
 
-import os
-import subprocess
-import sys
-
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.timeout(240)
-def test_tutorial_05_runs():
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    proc = subprocess.run(
-        [sys.executable, os.path.join("tutorials", "05_model_parallelism.py")],
-        cwd=REPO, capture_output=True, text=True, timeout=230, env=env,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = proc.stdout
+def test_tutorial_05_runs(tutorial):
+    out = tutorial("05_model_parallelism.py", timeout=230)
     assert "reloaded predictions identical: True" in out
     assert "largest gradient difference / largest gradient" in out
     assert "needs" in out and "ColumnParallelDense" in out  # the budget error
