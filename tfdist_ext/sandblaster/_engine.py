@@ -105,7 +105,6 @@ class Evaluator:
         self._fresh = [None] * len(self.devices)
         self._threads = []
         self._closed = False
-        self.reports = []
 
     # ------------------------------------------------------------ building
     def _build_workers(self, flat, deadline):
@@ -218,7 +217,7 @@ class Evaluator:
             copies=p.copies, backups=p.backups, wasted=p.wasted, lost_workers=list(p.lost),
             slices_per_worker=[p.by_worker[w] for w in range(len(self.devices))],
             received_bytes=p.received)
-        self.reports.append(report)
+        self.strategy.passes.append(report)
         return report
 
     def _next_task(self, w):

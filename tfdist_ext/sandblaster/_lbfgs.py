@@ -83,7 +83,7 @@ class LBFGSRun:
         return getattr(self.vectors, name)(*args)
 
     def _evaluate(self, step=None):
-        """One pass at the current parameters; returns (f, slope, report)."""
+        """One pass at the current parameters; returns (f, phi'(step)); the report is in ``_last``."""
         report = self.evaluator.run_pass()
         self.nfev += 1
         self._passes += 1
@@ -91,7 +91,7 @@ class LBFGSRun:
         self._bytes += self.op_bytes["commit"] * report.slices
         self._backups += report.backups
         self._wasted += report.wasted
-        slope, gmax, finite = self._op("probe")
+        slope, _, finite = self._op("probe")
         if not (finite and math.isfinite(report.loss)):
             what = "loss" if not math.isfinite(report.loss) else "gradient"
             where = (f"iteration {self.nit + 1}, function evaluation {self.nfev}"
@@ -104,12 +104,12 @@ class LBFGSRun:
             raise FloatingPointError(
                 f"Sandblaster L-BFGS: the {what} is NaN or Inf at {where}; {kept}")
         self._last = report
-        return report.loss, slope, gmax, report
+        return report.loss, slope
 
     def _begin(self):
-        f, _, _, report = self._evaluate()
+        f, _ = self._evaluate()
         _, self.grad_max = self._op("start")
-        self.f, self.aux = f, report.aux
+        self.f, self.aux = f, self._last.aux
         if self.grad_max <= self.options.gtol:
             self._stop(0, CONVERGED_GTOL)
 
@@ -142,7 +142,7 @@ class LBFGSRun:
 
         def phi(step):
             self._op("move_to", step)
-            f, s, _, _ = self._evaluate(step)
+            f, s = self._evaluate(step)
             self._trials.append(f)
             return f, s
 

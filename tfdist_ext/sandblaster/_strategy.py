@@ -105,7 +105,6 @@ class SandblasterStrategy(ParameterServerBase):
         blocks = [piece for group in parameters for piece in group]
         vectors = ShardedVectors(blocks, memory, self.num_workers)
         evaluator = Evaluator(self, parameters, vectors, loss_fn, data)
-        evaluator.reports = self.passes
         self._evaluators[key] = (weakref.ref(owner), signature, evaluator)
         return evaluator
 

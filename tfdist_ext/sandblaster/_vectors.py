@@ -67,8 +67,6 @@ class ShardedVectors:
         return out
 
     def _build_functions(self):
-        blocks = self.blocks
-
         @tf.function
         def zero_accumulator():
             self._per_block(lambda b, a: a.assign(tf.zeros_like(a)), self.accumulator)
@@ -172,7 +170,6 @@ class ShardedVectors:
         self._steepest = steepest
         self._two_loop = two_loop
         self._commits = [self._make_commit(w) for w in range(self.num_workers)]
-        del blocks
 
     def _make_commit(self, worker):
         stage = self.stage[worker]
