@@ -241,3 +241,32 @@ def test_works_under_the_package_strategies(script, make, per_replica):
     rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
     np.testing.assert_allclose(rates, [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
     assert "SCHEDULED 0.02 8 True" in out
+
+
+def test_benchmark_sgd_is_sgd_with_momentum_correction_at_any_steps_per_execution():
+    """benchmarks.large_batch._sgd (the paper's Eq. (9) form, in-graph) equals
+    Keras SGD + MomentumCorrection, also with several steps per execution."""
+    from benchmarks.large_batch import MOMENTUM
+    from benchmarks.large_batch import _sgd
+    from tfdist_ext.schedules import StepDecay
+
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 3)).astype("float32")
+    y = rng.normal(size=(16, 1)).astype("float32")
+    final = {}
+    for form in ("callback", "in-graph"):
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
+        # A gradual warm-up (the rate changes every step) and a decay by 10.
+        lr = LinearScaling(0.01, 1, 8, warmup_epochs=1, steps_per_epoch=4,
+                           after=StepDecay(0.01, (2,), steps_per_epoch=4))
+        if form == "callback":
+            m.compile(optimizer=keras.optimizers.SGD(lr, momentum=MOMENTUM), loss="mse")
+            m.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[MomentumCorrection()])
+        else:
+            m.compile(optimizer=_sgd(lr), loss="mse", steps_per_execution=5)
+            m.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0)
+        assert int(m.optimizer.iterations.numpy()) == 12
+        final[form] = m.get_weights()[0]
+    np.testing.assert_allclose(final["in-graph"], final["callback"], rtol=1e-5, atol=1e-6)
