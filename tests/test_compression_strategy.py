@@ -266,6 +266,31 @@ def test_only_the_wire_form_is_exchanged(cpu_devices):
     assert all(t.shape.num_elements() in (None, 50) for t in gathered)
 
 
+@pytest.mark.parametrize("make", [lambda: C.TopK(0.01), lambda: C.PowerSGD(2)],
+                         ids=["gather", "rounds"])
+def test_compression_clock_starts_after_the_gradients(cpu_devices, make):
+    """The logged compression time starts once the gradients exist, not at step start."""
+    strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=make())
+    with strategy.scope():
+        var = keras.Variable(np.zeros((100, 50), np.float32))
+        opt = keras.optimizers.SGD(1.0)
+        opt.build([var])
+
+    @tf.function
+    def train(x):
+        def step(x):
+            grad = tf.identity(tf.matmul(x, x, transpose_a=True)[:, :50], name="the_gradient")
+            opt.apply([grad], [var])
+        strategy.run(step, args=(x,))
+
+    graph = train.get_concrete_function(tf.TensorSpec((8, 100))).graph
+    stamps = [op for op in graph.get_operations() if op.type == "Timestamp"]
+    assert stamps
+    # Per replica: the first timestamp waits for that replica's gradient.
+    starts = [op for op in stamps if any("the_gradient" in c.name for c in op.control_inputs)]
+    assert len(starts) == 2
+
+
 # -- numpy references of the error-feedback family under model.fit ------------
 #
 # A least-squares model (kernel (D, 1) + bias (1,)) trained by Keras' fit on 2

@@ -277,9 +277,19 @@ class _CompressedExchange:
         for var, value in zip(tf.nest.flatten(state_vars), tf.nest.flatten(new_state)):
             var.assign(tf.cast(value, var.dtype))
 
+    @staticmethod
+    def _start_clock(grads):
+        """``tf.timestamp()`` taken once every gradient exists.
+
+        A timestamp without inputs may run as soon as the step starts, so the
+        compression time would include the backward pass.
+        """
+        with tf.control_dependencies(grads):
+            return tf.timestamp()
+
     def _exchange_gather(self, ctx, compressor, grads, states, step, counters):
         n = self.num_replicas_in_sync
-        t0 = tf.timestamp()
+        t0 = self._start_clock(grads)
         wires, new_states = [], []
         with tf.control_dependencies([t0]):
             for g, state_vars in zip(grads, states):
@@ -324,7 +334,7 @@ class _CompressedExchange:
         def all_sum(t):
             return ctx.all_reduce(tf.distribute.ReduceOp.SUM, t)
 
-        t0 = tf.timestamp()
+        t0 = self._start_clock(grads)
         reduced, sent = [], tf.constant(0, tf.int64)
         with tf.control_dependencies([t0]):
             for g, state_vars in zip(grads, states):
