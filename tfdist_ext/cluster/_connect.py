@@ -34,8 +34,8 @@ def connect(cluster_resolver, *, job_name="chief", timeout=60.0, require_jobs=()
       ...         v = tf.Variable(1.0)
     """
     import tensorflow as tf
-    from tensorflow.python.eager import context
-    from tensorflow.python.training import server_lib
+
+    from tfdist_ext import _integration
 
     spec = cluster_resolver.cluster_spec().as_dict()
     for job in require_jobs:
@@ -49,7 +49,7 @@ def connect(cluster_resolver, *, job_name="chief", timeout=60.0, require_jobs=()
         for address in addresses:
             ping(address, timeout=timeout)
 
-    filters = server_lib.ClusterDeviceFilters()
+    filters = _integration.server_lib.ClusterDeviceFilters()
     for i in range(len(spec.get("worker", ()))):
         filters.set_device_filters("worker", i, ["/job:ps", f"/job:{job_name}"])
     for i in range(len(spec.get("ps", ()))):
@@ -62,6 +62,6 @@ def connect(cluster_resolver, *, job_name="chief", timeout=60.0, require_jobs=()
             protocol=cluster_resolver.rpc_layer or "grpc",
             cluster_device_filters=filters,
         )
-        context.ensure_initialized()
+        _integration.eager_context.ensure_initialized()
     except tf.errors.OpError as e:
         raise ClusterError(f"could not connect to the cluster: {e.message}") from None

@@ -15,15 +15,12 @@ import types
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import parameter_server_strategy_v2
-from tensorflow.python.distribute import sharded_variable
-from tensorflow.python.framework import ops
 
+from tfdist_ext import _integration
 from tfdist_ext.cluster._local import ping
 
-_PSSV2 = parameter_server_strategy_v2.ParameterServerStrategyV2
-_PSSV2Extended = parameter_server_strategy_v2.ParameterServerStrategyV2Extended
+_PSSV2 = _integration.ParameterServerStrategyV2
+_PSSV2Extended = _integration.ParameterServerStrategyV2Extended
 
 
 def positive_int(owner, name, value, low=1):
@@ -140,8 +137,8 @@ def _create_variable_balanced(strategy, next_creator, **kwargs):
     with strategy._placement_lock:
         index = min(range(len(strategy._ps_bytes)), key=strategy._ps_bytes.__getitem__)
         strategy._ps_bytes[index] += variable_bytes(kwargs)
-    with ops.colocate_with(None, ignore_existing=True):
-        with ops.device(f"/job:ps/task:{index}/device:CPU:0"):
+    with _integration.colocate_with(None, ignore_existing=True):
+        with tf.device(f"/job:ps/task:{index}/device:CPU:0"):
             return next_creator(**kwargs)
 
 
@@ -155,8 +152,8 @@ def _update_sharded_aware(extended, var, fn, args, kwargs, group):
     colocation). A split (``ShardedVariable``) one cannot be colocated: its
     update is computed where the caller runs and written back shard by shard.
     """
-    if isinstance(var, sharded_variable.ShardedVariable):
-        with distribute_lib.UpdateContext(var.variables[0].device):
+    if isinstance(var, _integration.ShardedVariable):
+        with _integration.distribute_lib.UpdateContext(var.variables[0].device):
             return fn(var, *args, **kwargs)
     return _keras_update(extended, var, fn, args, kwargs, group)
 
@@ -171,7 +168,7 @@ def _create_variable_sharded_slots(extended, next_creator, **kwargs):
     cannot be colocated with, so the slot goes through the partitioner
     instead, which splits it like the variable across the ``ps`` tasks.
     """
-    if isinstance(kwargs.get("colocate_with"), sharded_variable.ShardedVariable):
+    if isinstance(kwargs.get("colocate_with"), _integration.ShardedVariable):
         kwargs.pop("colocate_with")
     return _pss_create_variable(extended, next_creator, **kwargs)
 
@@ -183,7 +180,7 @@ def _make_sharded_variables_readable():
     ``ShardedVariable`` converts to a tensor but has no ``__array__``. Adds
     the two readers it lacks (nothing else of the class changes).
     """
-    cls = sharded_variable.ShardedVariable
+    cls = _integration.ShardedVariable
     if not hasattr(cls, "__array__"):
         cls.__array__ = lambda self, dtype=None, copy=None: np.asarray(
             tf.convert_to_tensor(self).numpy(), dtype=dtype
@@ -195,6 +192,6 @@ def _make_sharded_variables_readable():
 def components(variable):
     """The ``tf.Variable`` pieces of a (Keras, sharded or plain) variable, in axis-0 order."""
     value = getattr(variable, "_value", variable)
-    if isinstance(value, sharded_variable.ShardedVariable):
+    if isinstance(value, _integration.ShardedVariable):
         return list(value.variables)
     return [value]

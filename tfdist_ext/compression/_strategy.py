@@ -4,7 +4,7 @@ Where the hook is: Keras 3's TensorFlow optimizer sums gradients over
 replicas in ``TFOptimizer._all_reduce_sum_gradients`` (replica context,
 ``ReplicaContext.all_reduce(SUM, grads)``), then applies them per replica in
 ``_distributed_tf_update_step``. For an optimizer created under one of the
-strategies below, that one method is routed to
+strategies below, ``tfdist_ext._integration`` routes that one method to
 :meth:`_CompressedExchange._compressed_all_reduce`, which (per replica)
 compresses each gradient with the replica's own state, **all-gathers only the
 wire tensors** (``ReplicaContext.all_gather``: cross-device copies within a
@@ -17,47 +17,10 @@ import threading
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
+from tfdist_ext import _integration
 from tfdist_ext.compression._base import Compressor
 from tfdist_ext.compression._compressors import NoCompression
-
-_HOOK_LOCK = threading.Lock()
-_HOOK_INSTALLED = False
-
-
-def _install_keras_hook():
-    """Routes Keras' gradient all-reduce to the compressed exchange (idempotent)."""
-    global _HOOK_INSTALLED
-    with _HOOK_LOCK:
-        if _HOOK_INSTALLED:
-            return
-        from keras.src.backend.tensorflow import optimizer as keras_tf_optimizer
-
-        original = keras_tf_optimizer.TFOptimizer._all_reduce_sum_gradients
-
-        def _all_reduce_sum_gradients(self, grads_and_vars):
-            strategy = getattr(self, "_distribution_strategy", None)
-            if (isinstance(strategy, _CompressedExchange)
-                    and tf.distribute.in_cross_replica_context() is False
-                    and tf.distribute.has_strategy()):
-                return strategy._compressed_all_reduce(self, grads_and_vars)
-            return original(self, grads_and_vars)
-
-        _all_reduce_sum_gradients.__wrapped__ = original
-        keras_tf_optimizer.TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
-
-        # TFOptimizer defines no ``build``: this one sits between the concrete
-        # optimizers' ``build`` (SGD, Adam, ...) and BaseOptimizer's in the MRO.
-        def build(self, variables):
-            strategy = getattr(self, "_distribution_strategy", None)
-            if isinstance(strategy, _CompressedExchange):
-                strategy._check_variable_dtypes(variables)
-            return super(keras_tf_optimizer.TFOptimizer, self).build(variables)
-
-        keras_tf_optimizer.TFOptimizer.build = build
-        _HOOK_INSTALLED = True
-
 
 class CompressionState(tf.Module):
     """The per-replica compressor state of a strategy, as a checkpointable object.
@@ -83,7 +46,7 @@ class CompressionState(tf.Module):
 def _local_variable(value, name):
     # Direct ResourceVariable construction bypasses the strategy's variable
     # creator: this is one replica's private state, not a mirrored variable.
-    return resource_variable_ops.ResourceVariable(value, trainable=False, name=name)
+    return _integration.ResourceVariable(value, trainable=False, name=name)
 
 
 class _CompressedExchange:
@@ -105,7 +68,13 @@ class _CompressedExchange:
         self._state_slots = {}
         self._optimizers = weakref.WeakKeyDictionary()
         self._counters = None
-        _install_keras_hook()
+        _integration.install_optimizer_hooks()
+
+    def _tfdist_build_optimizer(self, optimizer, variables):
+        self._check_variable_dtypes(variables)
+
+    def _tfdist_all_reduce_sum_gradients(self, optimizer, grads_and_vars):
+        return self._compressed_all_reduce(optimizer, grads_and_vars)
 
     def _check_variable_dtypes(self, variables):
         """Raises ValueError before the first step if the compressor cannot take a variable's dtype.

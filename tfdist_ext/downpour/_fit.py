@@ -1,11 +1,11 @@
 """How ``model.fit`` runs Downpour (internal).
 
-Keras 3 has no parameter-server path in ``fit``; ``tfdist_ext._keras_fit``
+Keras 3 has no parameter-server path in ``fit``; ``tfdist_ext._integration``
 routes the ``fit`` of a model whose strategy is a ``DownpourStrategy`` to
 :func:`downpour_fit`, which sets ``model.train_function`` to a
-:class:`_TrainFunction` and, for the duration of the call, hooks the model's
-``_get_metrics_result_or_logs`` (which Keras calls right after each epoch's
-last batch) to wait for the epoch's rounds, then runs Keras's own ``fit``
+:class:`_TrainFunction`, and routes ``_get_metrics_result_or_logs`` (which
+Keras calls right after each epoch's last batch) to :func:`epoch_logs`, which
+waits for the epoch's rounds. It then runs Keras's own ``fit``
 loop unchanged (progress bar, callbacks, validation, checkpoints). For every
 other model ``fit`` is Keras's, untouched.
 
@@ -29,6 +29,7 @@ import weakref
 import keras
 import tensorflow as tf
 
+from tfdist_ext import _integration
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
@@ -83,38 +84,36 @@ def _source_of(strategy, iterator):
 def _adopt_optimizer(model, strategy):
     """An optimizer made outside ``strategy.scope()`` but not yet built joins it."""
     optimizer = model.optimizer
-    if optimizer is None or getattr(optimizer, "_distribution_strategy", strategy) is strategy:
+    if optimizer is None or _integration.optimizer_strategy(optimizer) in (None, strategy):
         return
     if optimizer.built:
         raise ValueError(
             "DownpourStrategy: the model's optimizer was built under another "
             "strategy; create and compile it inside `strategy.scope()`"
         )
-    optimizer._distribution_strategy = strategy
+    _integration.set_optimizer_strategy(optimizer, strategy)
 
 
 def downpour_fit(model, strategy, original, *args, **kwargs):
     _adopt_optimizer(model, strategy)
     train_function = _TrainFunction(model, strategy)
-    keras_epoch_logs = model._get_metrics_result_or_logs
-
-    def epoch_logs(logs):
-        # Keras calls this right after an epoch's last batch (also when the
-        # loop broke early), and at the end of evaluate(): after training
-        # steps it is the epoch's end, so wait for every round and report
-        # exact values; otherwise it is evaluate's and stays Keras's.
-        if train_function.steps_since_finish:
-            return train_function.finish_epoch()
-        return keras_epoch_logs(logs)
-
     model.train_function = train_function
-    model._get_metrics_result_or_logs = epoch_logs
     try:
         return original(model, *args, **kwargs)
     finally:
-        del model._get_metrics_result_or_logs
         model.train_function = None
         train_function.close()
+
+
+def epoch_logs(model, logs, keras_epoch_logs):
+    """Keras calls this right after an epoch's last batch (also when the loop
+    broke early), and at the end of ``evaluate``: after training steps it is
+    the epoch's end, so wait for every round and report exact values;
+    otherwise it is evaluate's and stays Keras's."""
+    train_function = model.train_function
+    if isinstance(train_function, _TrainFunction) and train_function.steps_since_finish:
+        return train_function.finish_epoch()
+    return keras_epoch_logs(model, logs)
 
 
 class _TrainFunction:
@@ -214,12 +213,10 @@ class _TrainFunction:
         self._inflight.append((remote, steps))
 
     def _collect(self):
-        from tensorflow.python.distribute.coordinator import remote_value
-
         still = []
         for remote, steps in self._inflight:
             status = getattr(remote, "_status", None)
-            if status == remote_value.RemoteValueStatus.READY:
+            if status == _integration.RemoteValueStatus.READY:
                 try:
                     out = remote.fetch()
                 except tf.errors.UnavailableError:
@@ -231,7 +228,7 @@ class _TrainFunction:
                     self.strategy.stats.record_lost_round(steps)
                     continue
                 self._record(out)
-            elif status == remote_value.RemoteValueStatus.ABORTED:
+            elif status == _integration.RemoteValueStatus.ABORTED:
                 remote.fetch()   # raises the round's error
             else:
                 still.append((remote, steps))
@@ -340,10 +337,6 @@ class _TrainFunction:
 
 def _per_worker_iterator(strategy, dataset):
     """An iterator on every worker over that worker's shard of ``dataset``."""
-    from tensorflow.python.data.experimental.ops import distribute as data_distribute
-    from tensorflow.python.distribute import input_lib
-    from tensorflow.python.distribute.coordinator import values as coordinator_values
-
     num_workers = strategy.num_workers
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
@@ -359,11 +352,11 @@ def _per_worker_iterator(strategy, dataset):
     # a constant DatasetFromGraph into a variant that cannot cross processes.
     @tf.function
     def make_iterator(index, graph_def):
-        rebuilt = data_distribute._RemoteDataset(graph_def, "", element_spec)
+        rebuilt = _integration.RemoteDataset(graph_def, "", element_spec)
         shard = rebuilt.shard(num_workers, index).repeat().with_options(options)
         return iter(shard)
 
-    spec = input_lib.get_iterator_spec_from_dataset(strategy, dataset)
+    spec = _integration.get_iterator_spec_from_dataset(strategy, dataset)
     remotes = []
     for index, worker in enumerate(strategy.coordinator._cluster.workers):
         remote = worker.create_resource(
@@ -371,7 +364,7 @@ def _per_worker_iterator(strategy, dataset):
         )
         remote._type_spec = spec
         remotes.append(remote)
-    return coordinator_values.PerWorkerDistributedIterator(tuple(remotes))
+    return _integration.PerWorkerDistributedIterator(tuple(remotes))
 
 
 def _cached_worker_index(strategy):
@@ -407,13 +400,11 @@ def _cached_round(model, strategy):
 
 def _per_worker_index(strategy):
     """Each worker's task index, as a value resolved on that worker."""
-    from tensorflow.python.distribute.coordinator import values as coordinator_values
-
     @tf.function
     def identity(index):
         return tf.identity(index)
 
-    return coordinator_values.PerWorkerValues(tuple(
+    return _integration.PerWorkerValues(tuple(
         worker.create_resource(identity, args=(tf.constant(index, tf.int64),))
         for index, worker in enumerate(strategy.coordinator._cluster.workers)
     ))
@@ -421,8 +412,6 @@ def _per_worker_index(strategy):
 
 def _build_round(model, strategy):
     """The tf.function one worker runs for a round of local steps."""
-    from keras.src.trainers.data_adapters import data_adapter_utils
-
     from tfdist_ext.model_parallel._placement import stage_gradients
 
     trainable = list(model.trainable_variables)
@@ -449,9 +438,8 @@ def _build_round(model, strategy):
             mapping = list(zip(trainable, params))
             mapping += [(v, v.value) for v in non_trainable]
             with keras.StatelessScope(state_mapping=mapping) as scope:
-                y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
-                loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                           sample_weight=sample_weight, training=True)
+                y_pred = _integration.call_model(model, x, training=True)
+                loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
             new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
         with stage_gradients():  # backward ops on their stage's device (model_devices)
             grads = tape.gradient(loss, params)
@@ -461,7 +449,7 @@ def _build_round(model, strategy):
             if value is not None:
                 v.assign(value)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        model._loss_tracker.update_state(loss, sample_weight=batch)
+        _integration.loss_tracker(model).update_state(loss, sample_weight=batch)
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads
 
@@ -482,7 +470,7 @@ def _build_round(model, strategy):
                 params, fetched = fetch()
                 fetches += 1
             data = next(iterator)
-            x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+            x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
             grads = strategy.run(local_step, args=(params, x, y, sample_weight))
             accum = [a + g for a, g in zip(accum, grads)]
             if (i + 1) % n_push == 0 or i + 1 == num_steps:
@@ -528,13 +516,11 @@ def _make_push(strategy, optimizer, trainable, param_bytes):
     (error-feedback residuals, DGC momenta) stays on the worker in
     per-worker variables; a rejected push leaves that state unchanged.
     """
-    from tensorflow.python.distribute import sharded_variable
-
     compressor = strategy.compression
 
     def home(variable):
         value = variable.value
-        if isinstance(value, sharded_variable.ShardedVariable):
+        if isinstance(value, _integration.ShardedVariable):
             return None           # split: checked and decompressed on the worker
         return value.device
 

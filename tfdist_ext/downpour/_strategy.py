@@ -2,9 +2,7 @@
 
 import math
 
-from tensorflow.python.distribute.coordinator import cluster_coordinator
-
-from tfdist_ext import _keras_fit
+from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import positive_int
 from tfdist_ext.downpour import _fit
@@ -110,14 +108,14 @@ class DownpourStrategy(ParameterServerBase):
         self.model_devices = model_devices
         self.plan = None
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
-        self.coordinator = cluster_coordinator.ClusterCoordinator(self)
+        self.coordinator = _integration.ClusterCoordinator(self)
         self.stats = DownpourStats()
         self._sources = []
         self._per_worker_iterators = []
         self._rounds = {}
         self._worker_index = None
         self._server_version = None
-        _keras_fit.install()
+        _integration.install_trainer_hooks()
 
     @property
     def n_fetch(self):
@@ -144,6 +142,9 @@ class DownpourStrategy(ParameterServerBase):
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         return _fit.downpour_fit(model, self, keras_fit, *args, **kwargs)
+
+    def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
+        return _fit.epoch_logs(model, logs, keras_epoch_logs)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.

@@ -15,11 +15,12 @@ step.
 
 import keras
 import tensorflow as tf
-from keras.src.trainers import data_adapters
+
+from tfdist_ext import _integration
 
 from tfdist_ext.model_parallel import _placement
 
-_unpack = data_adapters.data_adapter_utils.unpack_x_y_sample_weight
+_unpack = _integration.unpack_x_y_sample_weight
 
 
 def chain_layers(model):
@@ -62,7 +63,7 @@ def _stages(layers, plan):
 
 
 def _call_layer(layer, h, training):
-    if layer._call_has_training_arg:
+    if _integration.call_has_training_arg(layer):
         return layer(h, training=training)
     return layer(h)
 
@@ -125,8 +126,7 @@ def microbatch_gradients(model, plan, data, microbatches):
         with tf.GradientTape() as tape:
             tape.watch(preds)
             y_pred = tf.concat(preds, axis=0)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred,
-                                       sample_weight=sample_weight, training=True)
+            loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
             scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
         g = tape.gradient(scaled, [*preds, *variables],
                           unconnected_gradients=tf.UnconnectedGradients.NONE)
@@ -158,7 +158,7 @@ def pipelined_train_step(model, plan, microbatches, data):
     """Keras ``train_step`` semantics with micro-batch pipelining."""
     x, y, sample_weight = _unpack(data)
     loss, y_pred, grads = microbatch_gradients(model, plan, data, microbatches)
-    model._loss_tracker.update_state(loss, sample_weight=tf.shape(x)[0])
+    _integration.loss_tracker(model).update_state(loss, sample_weight=tf.shape(x)[0])
     variables = model.trainable_variables
     if variables:
         model.optimizer.apply_gradients(zip(grads, variables))

@@ -20,33 +20,19 @@ A model is *placed* (plan made, variables moved, layer calls wrapped in
 by itself when Keras first hands it the model: Keras' ``fit``, ``evaluate``,
 ``predict`` (and the ``*_on_batch`` methods) distribute their dataset with
 ``experimental_distribute_dataset`` or enter ``scope()`` before building the
-optimizer and before tracing any step, and the strategy finds the calling
-model on the Python stack at that moment.
+optimizer and before tracing any step; ``tfdist_ext._integration`` tells the
+strategy which model's Keras method is running.
 """
 
 import functools
-import sys
 
 import keras
 import tensorflow as tf
-from tensorflow.python.distribute import distribute_lib
-from tensorflow.python.distribute import one_device_strategy
 
+from tfdist_ext import _integration
 from tfdist_ext.model_parallel import _pipeline
 from tfdist_ext.model_parallel import _placement
 from tfdist_ext.model_parallel import _plan
-
-_KERAS_ENTRY_POINTS = frozenset({
-    "fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
-    "predict_on_batch", "_maybe_symbolic_build",
-})
-
-
-def _default_train_step():
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer.train_step
-
 
 def _check_devices(devices):
     devices = _plan._check_devices(devices)
@@ -66,26 +52,10 @@ def _check_devices(devices):
     return resolved
 
 
-def _keras_model_on_stack():
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name in _KERAS_ENTRY_POINTS:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, keras.Model):
-                return candidate
-        frame = frame.f_back
-    return None
+distribute_lib = _integration.distribute_lib
 
 
-def _innermost_layers():
-    """Keras layers whose name scopes are open (outermost first)."""
-    from keras.src.backend.common import global_state
-
-    stack = global_state.get_global_attribute("name_scope_stack") or []
-    return [e.caller for e in stack if isinstance(e.caller, keras.layers.Layer)]
-
-
-class ModelParallelExtended(one_device_strategy.OneDeviceExtended):
+class ModelParallelExtended(_integration.OneDeviceExtended):
     """The ``tf.distribute.StrategyExtended`` of :class:`ModelParallelStrategy`."""
 
     def __init__(self, container_strategy, devices, partition, microbatches,
@@ -114,7 +84,7 @@ class ModelParallelExtended(one_device_strategy.OneDeviceExtended):
             return variable
         device = self._devices[0]
         if isinstance(self._partition, dict):
-            for layer in reversed(_innermost_layers()):
+            for layer in reversed(_integration.layer_scope_stack()):
                 if layer.name in self._partition:
                     device = str(self._partition[layer.name])
                     break
@@ -220,6 +190,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             raise ValueError(f"device_budget_bytes must be positive, got {device_budget_bytes!r}")
         if not isinstance(split_large_layers, bool):
             raise ValueError(f"split_large_layers must be a bool, got {split_large_layers!r}")
+        _integration.install_trainer_hooks()
         super().__init__(ModelParallelExtended(
             self, devices, partition, microbatches, balance_by, device_budget_bytes,
             split_large_layers))
@@ -292,7 +263,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         ext = self.extended
         if ext._placing:
             return
-        model = _keras_model_on_stack()
+        model = _integration.model_in_keras_call()
         if model is None or not model.built or id(model) in ext._plans:
             return
         ext._placing = True
@@ -311,8 +282,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         model = getattr(fn, "__self__", None)
         if (isinstance(model, keras.Model)
                 and getattr(fn, "__name__", "") == "train_step"
-                and getattr(type(model).train_step, "__code__", None)
-                is getattr(_default_train_step(), "__code__", 0)
+                and _integration.overridden_step(model) is None
                 and _pipeline.chain_layers(model) is not None):
             if id(model) not in self.extended._plans:
                 self.place(model)

@@ -28,9 +28,8 @@ import time
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.eager import context
-from tensorflow.python.eager import executor as executor_lib
 
+from tfdist_ext import _integration
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 
@@ -243,8 +242,8 @@ class Evaluator:
         return p, s
 
     def _worker_loop(self, w):
-        executor = executor_lib.new_executor(enable_async=False)
-        with context.executor_scope(executor), tf.device(self.devices[w]):
+        executor = _integration.executor_lib.new_executor(enable_async=False)
+        with _integration.eager_context.executor_scope(executor), tf.device(self.devices[w]):
             while True:
                 with self._cv:
                     task = None

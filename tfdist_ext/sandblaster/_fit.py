@@ -1,6 +1,6 @@
 """How ``model.fit`` runs Sandblaster L-BFGS (internal).
 
-``tfdist_ext._keras_fit`` routes ``fit`` of a model under a
+``tfdist_ext._integration`` routes ``fit`` of a model under a
 ``SandblasterStrategy`` here. The training data are read into memory once
 and sent to every worker; Keras's own ``fit`` loop then runs unchanged
 (progress bar, callbacks, validation, checkpoints) over a two-example
@@ -16,7 +16,7 @@ import inspect
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.trainers.data_adapters import data_adapter_utils
+from tfdist_ext import _integration
 
 from tfdist_ext.sandblaster._lbfgs import LBFGSRun
 from tfdist_ext.sandblaster._optimizer import LBFGS
@@ -35,10 +35,8 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
     x, y, sample_weight = (arguments.pop(k, None) for k in ("x", "y", "sample_weight"))
     split = arguments.pop("validation_split", 0.0)
     if split and arguments.get("validation_data") is None:
-        from keras.src.trainers.data_adapters import array_slicing
-
         (x, y, sample_weight), arguments["validation_data"] = (
-            array_slicing.train_validation_split((x, y, sample_weight), validation_split=split))
+            _integration.train_validation_split((x, y, sample_weight), validation_split=split))
     data = materialize(x, y, sample_weight, "fit")
     for key in ("batch_size", "shuffle", "class_weight"):
         arguments.pop(key, None)
@@ -76,7 +74,7 @@ def materialize(x, y, sample_weight, caller):
     if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
             raise ValueError(f"{caller}: pass y and sample_weight inside the dataset")
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(
+        x, y, sample_weight = _integration.unpack_x_y_sample_weight(
             read_dataset(x, caller))
     if x is None:
         raise ValueError(f"{caller}: no training data (x is None)")
@@ -113,19 +111,17 @@ def keras_objective(model):
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
-    call_training = model._call_has_training_arg
-
+    
     def loss_fn(params, batch):
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(tuple(batch))
+        x, y, sample_weight = _integration.unpack_x_y_sample_weight(tuple(batch))
         mapping = list(zip(trainable, params)) + [(v, v.value) for v in non_trainable]
         with keras.StatelessScope(state_mapping=mapping):
-            y_pred = model(x, training=False) if call_training else model(x)
-            loss = model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                                       training=False)
+            y_pred = _integration.call_model(model, x, training=False)
+            loss = _integration.compute_loss(model, x, y, y_pred, sample_weight, training=False)
         # Keras builds the compiled metrics in fit's first (symbolic) step,
         # before this function is traced on a worker.
         state = []
-        compiled = getattr(model, "_compile_metrics", None)
+        compiled = _integration.compiled_metrics(model)
         if compiled is not None and compiled.built:
             initial = [tf.zeros(v.shape, v.dtype) for v in compiled.variables]
             state = compiled.stateless_update_state(initial, y, y_pred, sample_weight=sample_weight)
@@ -147,9 +143,10 @@ class _TrainStep:
         if run.done:
             model.stop_training = True
         model.optimizer.iterations.assign(run.nit)
-        model._loss_tracker.reset_state()
-        model._loss_tracker.update_state(run.f)
-        compiled = getattr(model, "_compile_metrics", None)
+        tracker = _integration.loss_tracker(model)
+        tracker.reset_state()
+        tracker.update_state(run.f)
+        compiled = _integration.compiled_metrics(model)
         if compiled is not None and compiled.built and run.aux:
             for variable, value in zip(compiled.variables, run.aux):
                 variable.assign(value)

@@ -5,7 +5,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from tfdist_ext import _keras_fit
+from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import components
 from tfdist_ext.cluster._ps_strategy import positive_int
@@ -76,7 +76,7 @@ class SandblasterStrategy(ParameterServerBase):
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
         self.passes = []   # PassReport of every pass, in order
         self._evaluators = {}
-        _keras_fit.install()
+        _integration.install_trainer_hooks()
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         return _fit.sandblaster_fit(model, self, keras_fit, args, kwargs)
