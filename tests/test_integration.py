@@ -1,0 +1,125 @@
+"""The one door into Keras/TensorFlow internals (tfdist_ext/_integration.py)."""
+
+import os
+import re
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "tfdist_ext")
+PRIVATE_IMPORT = re.compile(r"^\s*(from|import)\s+(keras\.src|tensorflow\.python)\b", re.M)
+
+
+def _package_sources():
+    for root, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(root, name)
+                with open(path, encoding="utf-8") as f:
+                    yield os.path.relpath(path, REPO), f.read()
+
+
+def test_private_keras_and_tensorflow_imports_only_in_the_integration_module():
+    offenders = [path for path, text in _package_sources()
+                 if PRIVATE_IMPORT.search(text) and not path.endswith("_integration.py")]
+    assert offenders == [], (
+        "private Keras/TensorFlow modules imported outside tfdist_ext/_integration.py: "
+        f"{offenders}")
+
+
+def test_no_os_exit_in_the_package():
+    offenders = [path for path, text in _package_sources() if "os._exit(" in text]
+    assert offenders == [], f"os._exit in {offenders}"
+
+
+@pytest.mark.parametrize("removed, named", [
+    ("keras.src.backend.tensorflow.trainer.TensorFlowTrainer._get_metrics_result_or_logs",
+     "_get_metrics_result_or_logs is missing"),
+    ("keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+     "_all_reduce_sum_gradients is missing"),
+])
+def test_a_renamed_keras_internal_fails_at_import_with_one_clear_message(script, removed, named):
+    # Simulates a Keras release that renamed one of the internals we rely on:
+    # loading a strategy must fail at once, naming the versions and the symbol,
+    # instead of a strategy silently skipping its hook later.
+    module, cls, attr = removed.rsplit(".", 2)
+    proc = script(f"""
+import importlib, sys
+owner = getattr(importlib.import_module({module!r}), {cls!r})
+for klass in owner.__mro__:
+    if {attr!r} in vars(klass):
+        delattr(klass, {attr!r})
+import tfdist_ext   # light: TensorFlow-backed parts load on first use
+try:
+    tfdist_ext.DownpourStrategy
+except ImportError as e:
+    print("IMPORT_ERROR", e)
+else:
+    print("IMPORTED")
+""", timeout=120)
+    out = proc.stdout
+    assert "IMPORT_ERROR" in out, out
+    assert named in out
+    assert "tfdist_ext does not support Keras" in out and "tested: Keras" in out
+
+
+def test_trainer_hooks_dispatch_to_the_strategy_and_record_the_running_model():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist_ext import _integration
+
+    _integration.install_trainer_hooks()
+    seen = []
+
+    class Recording(tf.distribute.OneDeviceStrategy):
+        def _tfdist_evaluate(self, model, keras_evaluate, args, kwargs):
+            seen.append(("evaluate", _integration.model_in_keras_call() is model))
+            return keras_evaluate(model, *args, **kwargs)
+
+    strategy = Recording("/cpu:0")
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        model.compile("sgd", "mse")
+    x, y = np.ones((4, 3), "float32"), np.ones((4, 1), "float32")
+    model.evaluate(x, y, verbose=0)
+    assert seen == [("evaluate", True)]
+    assert _integration.model_in_keras_call() is None
+    # A model under another strategy takes Keras's own path.
+    plain = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    plain.compile("sgd", "mse")
+    plain.evaluate(x, y, verbose=0)
+    assert seen == [("evaluate", True)]
+
+
+def test_overridden_step_tells_a_custom_train_step_from_keras_own():
+    import keras
+
+    from tfdist_ext import _integration
+
+    class Custom(keras.Model):
+        def train_step(self, data):
+            return super().train_step(data)
+
+    class Child(Custom):
+        pass
+
+    plain = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    assert _integration.overridden_step(plain) is None
+    assert _integration.overridden_step(Child()) is Custom
+    assert _integration.overridden_step(Child(), "test_step") is None
+
+
+def test_keras_tensorboard_callback_works_in_the_default_install(tmp_path):
+    # Issue 12 item 9: keras.callbacks.TensorBoard raised TBNotInstalledError.
+    import keras
+    import numpy as np
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=0,
+              callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path))])
+    written = [f for _, _, files in os.walk(tmp_path) for f in files]
+    assert any(f.startswith("events.out.tfevents") for f in written), written
