@@ -116,6 +116,36 @@ if TFOptimizer is not None:
 if global_state is not None:
     _check(global_state, "get_global_attribute")
 
+# model parallelism: a functional model's layer graph (the pipelined step cuts
+# it into stages), and the variables Keras creates uninitialized in a
+# StatelessScope while ``fit`` builds a model lazily (placed as they are
+# initialized).
+(Functional,) = _import("keras.src.models.functional", "Functional")
+(Function,) = _import("keras.src.ops.function", "Function")
+(SymbolicArguments,) = _import("keras.src.ops.symbolic_arguments", "SymbolicArguments")
+(KerasVariable,) = _import("keras.src.backend.common.variables", "Variable")
+
+
+def _check_sets(owner, method, attr):
+    """Records a problem unless ``owner.method``'s source assigns ``self.attr``."""
+    try:
+        source = inspect.getsource(getattr(owner, method))
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if f"self.{attr} =" not in source:
+        _problems.append(f"{owner.__module__}.{owner.__qualname__}.{method} no longer "
+                         f"sets {attr}")
+
+
+if Function is not None:
+    _check_sets(Function, "__init__", "_nodes_by_depth")
+    _check_sets(Function, "__init__", "_outputs_struct")
+if SymbolicArguments is not None:
+    _check(SymbolicArguments, "fill_in", params=("tensor_dict",))
+if KerasVariable is not None:
+    _check(KerasVariable, "_deferred_initialize")
+    _check_sets(KerasVariable, "__init__", "_value")
+
 # -- TensorFlow -------------------------------------------------------------
 
 (distribute_lib,) = _import("tensorflow.python.distribute", "distribute_lib")
@@ -212,6 +242,39 @@ def overridden_step(model, name="train_step"):
         if name in vars(cls):
             return None if vars(cls)[name] is default else cls
     return None
+
+
+def graph_nodes(model):
+    """The call nodes of functional ``model`` in a topological order, as
+    ``(layer, node)`` pairs; ``node.input_tensors`` and ``node.outputs`` are
+    the ``KerasTensor``s it reads and writes (input layers left out)."""
+    nodes = model._nodes_by_depth
+    return [(node.operation, node) for depth in sorted(nodes, reverse=True)
+            for node in nodes[depth] if node.operation is not None and not node.is_input]
+
+
+def node_arguments(node, values):
+    """``(args, kwargs)`` of ``node``'s call with its ``KerasTensor``s replaced
+    by ``values[id(keras_tensor)]``."""
+    return node.arguments.fill_in(values)
+
+
+def is_functional(model):
+    """Whether ``model`` is a functional model (built from ``keras.Input``)."""
+    return isinstance(model, Functional)
+
+
+def output_structure(model):
+    """The nesting of functional ``model``'s outputs (as its call returns them)."""
+    return model._outputs_struct
+
+
+def variable_being_initialized():
+    """The ``keras.Variable`` whose deferred initialization is running now (the
+    first of those Keras created uninitialized in a ``StatelessScope``, e.g.
+    while ``fit`` builds a model lazily, that still has no value), or ``None``."""
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    return next((v for v in pending if v._value is None), None)
 
 
 def layer_scope_stack():

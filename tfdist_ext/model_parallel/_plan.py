@@ -70,7 +70,11 @@ class Plan:
     ``splits`` names the ``Dense`` layers the planner decided to split
     column-wise because their parameters exceed ``device_budget_bytes``
     (``{layer name: number of shards}``); :func:`apply_plan` replaces each by a
-    :class:`ColumnParallelDense` with the same weights.
+    :class:`ColumnParallelDense` with the same weights. ``partition`` says how
+    the stages were chosen: ``"balanced"``, ``"explicit"`` (a
+    ``{layer: device}`` map) or ``"filled"`` (a :class:`ModelParallelStrategy`
+    with a ``device_budget_bytes`` kept the layers where it created them,
+    filling the devices in order).
 
     Example:
       >>> plan = plan_partition(model, ["/device:CPU:0", "/device:CPU:1"])  # doctest: +SKIP
@@ -141,8 +145,9 @@ class Plan:
 
     def __str__(self):
         per_device = self.device_param_bytes
-        how = (f"balanced by {self.balance_by}" if self.partition == "balanced"
-               else "explicit map")
+        how = {"balanced": f"balanced by {self.balance_by}",
+               "filled": "devices filled in order as the layers were created"}.get(
+                   self.partition, "explicit map")
         if self.device_budget_bytes is not None:
             how += f", budget {self.device_budget_bytes:,} B/device"
         lines = [f"Plan ({how}):"]

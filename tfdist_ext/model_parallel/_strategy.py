@@ -24,7 +24,10 @@ optimizer and before tracing any step; ``tfdist_ext._integration`` tells the
 strategy which model's Keras method is running.
 """
 
+import dataclasses
 import functools
+import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -55,6 +58,16 @@ def _check_devices(devices):
 distribute_lib = _integration.distribute_lib
 
 
+def _creating_unit():
+    """The top-level layer whose variable is being created: the outermost open
+    layer scope, looking inside a subclassed model that is being built by its
+    first call (its sub-layers are the units of its plan)."""
+    stack = _integration.layer_scope_stack()
+    while len(stack) > 1 and isinstance(stack[0], keras.Model) and not stack[0].built:
+        stack = stack[1:]
+    return stack[0] if stack else None
+
+
 class ModelParallelExtended(_integration.OneDeviceExtended):
     """The ``tf.distribute.StrategyExtended`` of :class:`ModelParallelStrategy`."""
 
@@ -70,6 +83,17 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
         self._colocated = {}  # id(slot tf.Variable) -> reference tf.Variable
         self._plans = {}  # id(model) -> Plan
         self._placing = False
+        # Creation-time placement: a budget fills the devices in order.
+        self._unit_devices = weakref.WeakKeyDictionary()  # top-level layer -> device
+        self._fill_index = 0
+        self._filled_bytes = dict.fromkeys(self._devices, 0)
+        self._deferred_devices = {}  # id(model) -> {id(keras.Variable): device}
+        self._placed = weakref.WeakSet()  # models placed (plan applied)
+        self._warned = set()  # id(model) warned that its own train_step is not pipelined
+
+    def _restart_filling(self):
+        self._fill_index = 0
+        self._filled_bytes = dict.fromkeys(self._devices, 0)
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.pop("colocate_with", None)
@@ -82,14 +106,62 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
                 variable = next_creator(**kwargs)
             self._colocated[id(variable)] = colocate_with
             return variable
-        device = self._devices[0]
-        if isinstance(self._partition, dict):
-            for layer in reversed(_integration.layer_scope_stack()):
-                if layer.name in self._partition:
-                    device = str(self._partition[layer.name])
-                    break
-        with tf.device(device):
+        device = self._planned_device_of_deferred_variable()
+        if device is None:
+            unit = _creating_unit()
+            if isinstance(self._partition, dict):
+                device = self._explicit_device()
+            elif self._budget is not None and unit is not None:
+                device, kwargs = self._filled_device(unit, kwargs)
+        with tf.device(device or self._devices[0]):
             return next_creator(**kwargs)
+
+    def _explicit_device(self):
+        for layer in reversed(_integration.layer_scope_stack()):
+            if layer.name in self._partition:
+                return self._partition[layer.name]
+        return None
+
+    def _filled_device(self, unit, kwargs):
+        """Device for a variable of top-level layer ``unit`` under a budget: the
+        devices fill in order; a layer goes where its first variable fits
+        (the current device, else the next one) and stays there."""
+        device = self._unit_devices.get(unit, self._devices[self._fill_index])
+        value = kwargs["initial_value"]
+        if callable(value):  # its size decides the device
+            with tf.init_scope(), tf.device(device):
+                value = value()
+        value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+        kwargs = {**kwargs, "initial_value": value}
+        nbytes = value.shape.num_elements() * value.dtype.size
+        if unit not in self._unit_devices:
+            used = self._filled_bytes[device]
+            if used and used + nbytes > self._budget and \
+                    self._fill_index + 1 < len(self._devices):
+                self._fill_index += 1
+                device = self._devices[self._fill_index]
+            self._unit_devices[unit] = device
+        self._filled_bytes[device] += nbytes
+        return device, kwargs
+
+    def _planned_device_of_deferred_variable(self):
+        """For a model Keras builds lazily inside ``fit``/``evaluate``/... (its
+        variables made uninitialized, then initialized one by one): the
+        variable's device in the model's plan, made now that the model is
+        built but before any of its variables exist."""
+        variable = _integration.variable_being_initialized()
+        model = _integration.model_in_keras_call()
+        if variable is None or model is None or _integration.layer_scope_stack():
+            return None
+        devices = self._deferred_devices.get(id(model))
+        if devices is None:
+            if id(model) in self._plans or not model.built:
+                return None
+            plan = self._container_strategy().make_plan(model)
+            self._plans[id(model)] = plan
+            devices = self._deferred_devices[id(model)] = _placement.variable_devices(
+                model, plan)
+        return devices.get(id(variable))
 
     def _update(self, var, fn, args, kwargs, group):
         device = getattr(var, "device", None) or self._device
@@ -208,11 +280,24 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     def make_plan(self, model):
         """The :class:`Plan` this strategy would use for a built ``model``.
 
+        Under a ``device_budget_bytes`` the layers of a model built in this
+        strategy's scope were created on the devices in order as they came
+        (see the class docstring): the plan keeps them there.
+
         Example:
           >>> print(strategy.make_plan(model))  # doctest: +SKIP
         """
         ext = self.extended
         devices = list(ext._devices)
+        filled = self._filled_partition(model)
+        if filled is not None:
+            try:
+                return dataclasses.replace(_plan.plan_partition(
+                    model, devices, filled, balance_by=ext._balance_by,
+                    device_budget_bytes=ext._budget,
+                    split_large_layers=ext._split_large_layers), partition="filled")
+            except ValueError:
+                pass  # e.g. column shards that fit only when spread: plan afresh
         if ext._partition == "balanced":
             n = len(_plan.top_level_layers(model))
             if len(devices) > n:
@@ -222,6 +307,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         return _plan.plan_partition(
             model, devices, ext._partition, balance_by=ext._balance_by,
             device_budget_bytes=ext._budget, split_large_layers=ext._split_large_layers)
+
+    def _filled_partition(self, model):
+        """``{layer name: device}`` where a budget filled the devices with
+        ``model``'s layers at creation, or ``None`` if they were not all
+        created that way."""
+        ext = self.extended
+        layers = [l for l in _plan.top_level_layers(model) if l.weights]
+        if ext._budget is None or ext._partition != "balanced" or not layers or \
+                any(l not in ext._unit_devices for l in layers):
+            return None
+        return {l.name: ext._unit_devices[l] for l in layers}
 
     def place(self, model):
         """Plans and places a built ``model``; returns it. Idempotent.
@@ -239,23 +335,20 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         ext = self.extended
         plan = ext._plans.get(id(model))
         if plan is None:
-            plan = self.make_plan(model)
-            if ext._microbatches > 1 and _pipeline.chain_layers(model) is None:
-                raise ValueError(
-                    f"microbatches={ext._microbatches} needs a chain model (Sequential "
-                    f"or single-path functional); model {model.name!r} is not one")
-            ext._plans[id(model)] = plan
+            plan = ext._plans[id(model)] = self.make_plan(model)
+            ext._restart_filling()  # the next model fills the devices afresh
         _placement.apply_plan(model, plan, colocated=ext._colocated)
         for variable in model.weights:
             # The strategy now owns these variables (some may have been built
             # outside its scope): Keras' optimizer may colocate slots with them.
             variable.value._distribute_strategy = self
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not optimizer.built and hasattr(
-                optimizer, "_distribution_strategy"):
+        if optimizer is not None and not optimizer.built and \
+                _integration.optimizer_strategy(optimizer) is not None:
             # An optimizer constructed outside the scope (e.g. passed to
             # compile) would create its slots through the default strategy.
-            optimizer._distribution_strategy = self
+            _integration.set_optimizer_strategy(optimizer, self)
+        ext._placed.add(model)
         self.plan = plan
         return model
 
@@ -264,7 +357,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         if ext._placing:
             return
         model = _integration.model_in_keras_call()
-        if model is None or not model.built or id(model) in ext._plans:
+        if model is None or not model.built or model in ext._placed:
             return
         ext._placing = True
         try:
@@ -277,20 +370,53 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         self._place_calling_model()
         return super().scope()
 
+    # -- trainer hooks (see tfdist_ext._integration.install_trainer_hooks) --
+
+    def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        self._check_trainable(model)
+        return keras_fit(model, *args, **kwargs)
+
+    def _tfdist_train_on_batch(self, model, keras_train_on_batch, args, kwargs):
+        self._check_trainable(model)
+        return keras_train_on_batch(model, *args, **kwargs)
+
+    def _check_trainable(self, model):
+        """Refuses, before anything runs, what cannot be trained with micro-batches."""
+        if self.microbatches == 1:
+            return
+        overridden = _integration.overridden_step(model)
+        if overridden is not None:
+            if id(model) not in self.extended._warned:
+                self.extended._warned.add(id(model))
+                warnings.warn(
+                    f"model {model.name!r} overrides train_step ({overridden.__name__}): "
+                    f"your step runs as written, on whole batches, without the "
+                    f"microbatches={self.microbatches} pipeline (its gradients still "
+                    "run on their stages' devices); to pipeline, use Keras's own "
+                    "train_step (customise compute_loss instead)", stacklevel=4)
+            return
+        problem = _pipeline.pipeline_problem(model)
+        if problem is not None:
+            raise ValueError(
+                f"microbatches={self.microbatches} cannot train {problem}. Train it with "
+                "ModelParallelStrategy(..., microbatches=1) (its sub-layers are still "
+                "placed per stage), or build it as a Sequential or functional model. "
+                "(evaluate and predict need no micro-batches and work either way.)")
+
     def run(self, fn, args=(), kwargs=None, options=None):
         """As ``tf.distribute.Strategy.run``; a model's ``train_step`` is pipelined."""
         model = getattr(fn, "__self__", None)
         if (isinstance(model, keras.Model)
                 and getattr(fn, "__name__", "") == "train_step"
                 and _integration.overridden_step(model) is None
-                and _pipeline.chain_layers(model) is not None):
-            if id(model) not in self.extended._plans:
+                and _pipeline.pipeline_problem(model) is None):
+            if model not in self.extended._placed:
                 self.place(model)
             fn = functools.partial(_pipeline.pipelined_train_step, model,
                                    self.extended._plans[id(model)], self.microbatches)
         else:
-            # e.g. Keras' own train_step of a non-chain model: its tape.gradient
-            # call would put every backward op on the first device.
+            # A user's train_step, a subclassed model's, evaluate, predict:
+            # tape.gradient would put every backward op on the first device.
             fn = _with_stage_gradients(fn)
         return super().run(fn, args, kwargs, options)
 
