@@ -142,9 +142,14 @@ if Function is not None:
     _check_sets(Function, "__init__", "_outputs_struct")
 if SymbolicArguments is not None:
     _check(SymbolicArguments, "fill_in", params=("tensor_dict",))
+(BaseOptimizer,) = _import("keras.src.optimizers.base_optimizer", "BaseOptimizer")
 if KerasVariable is not None:
     _check(KerasVariable, "_deferred_initialize")
     _check_sets(KerasVariable, "__init__", "_value")
+if BaseOptimizer is not None:
+    _check_sets(BaseOptimizer, "__init__", "_trainable_variables_indices")
+    _check_sets(BaseOptimizer, "build", "_trainable_variables")
+    _check(BaseOptimizer, "_var_key", params=("variable",))
 
 # -- TensorFlow -------------------------------------------------------------
 
@@ -172,6 +177,12 @@ if KerasVariable is not None:
 (eager_context,) = _import("tensorflow.python.eager", "context")
 (executor_lib,) = _import("tensorflow.python.eager", "executor")
 (server_lib,) = _import("tensorflow.python.training", "server_lib")
+
+# model parallelism: a variable moved to its stage's device keeps its strategy.
+(BaseResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops",
+                                  "BaseResourceVariable")
+if BaseResourceVariable is not None:
+    _check_sets(BaseResourceVariable, "__init__", "_distribute_strategy")
 
 if distribute_lib is not None:
     _check(distribute_lib, "UpdateContext")
@@ -275,6 +286,31 @@ def variable_being_initialized():
     while ``fit`` builds a model lazily, that still has no value), or ``None``."""
     pending = global_state.get_global_attribute("uninitialized_variables") or []
     return next((v for v in pending if v._value is None), None)
+
+
+def swap_variable(variable, tf_variable):
+    """Makes ``keras.Variable`` ``variable`` hold ``tf_variable`` (e.g. a copy on
+    another device): every Keras reference to ``variable`` sees the new one."""
+    variable._value = tf_variable
+
+
+def variable_strategy(tf_variable):
+    """The ``tf.distribute`` strategy ``tf_variable`` was created under, or ``None``."""
+    return getattr(tf_variable, "_distribute_strategy", None)
+
+
+def set_variable_strategy(tf_variable, strategy):
+    """Marks ``tf_variable`` as created under ``strategy`` (what
+    ``colocate_vars_with`` checks when an optimizer makes its slots)."""
+    tf_variable._distribute_strategy = strategy
+
+
+def reindex_optimizer(optimizer):
+    """Re-keys a built optimizer's per-variable slots after its variables'
+    ``tf.Variable``s were swapped (the TensorFlow optimizer keys them by the
+    ``tf.Variable``)."""
+    optimizer._trainable_variables_indices = {
+        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
 
 
 def layer_scope_stack():

@@ -66,10 +66,13 @@ def pipeline_problem(model):
       >>> pipeline_problem(keras.Sequential([keras.Input((4,)),
       ...                                    keras.layers.Dense(2)]))  # doctest: +SKIP
     """
-    if isinstance(model, keras.Sequential) or _integration.is_functional(model):
+    graph_call = (keras.Sequential.call if isinstance(model, keras.Sequential)
+                  else _integration.Functional.call if _integration.is_functional(model)
+                  else None)
+    if graph_call is not None and type(model).call is graph_call:
         return None
-    return (f"model {model.name!r} is a subclassed model ({type(model).__name__}); its "
-            "call() is Python code that cannot be cut into pipeline stages")
+    return (f"model {model.name!r} is a subclassed model ({type(model).__name__}) with "
+            "its own call(), Python code that cannot be cut into pipeline stages")
 
 
 def _graph(model):

@@ -33,6 +33,8 @@ import functools
 import threading
 import weakref
 
+from tfdist_ext import _integration
+
 _LOCAL = threading.local()
 
 
@@ -143,11 +145,10 @@ def _move(keras_variable, device):
             name=keras_variable.name, aggregation=old.aggregation,
             synchronization=old.synchronization,
         )
-    if hasattr(old, "_distribute_strategy"):
-        # Marks the variable as created in the strategy's scope (checked by
-        # ``colocate_vars_with`` when an optimizer makes its slots).
-        new._distribute_strategy = old._distribute_strategy
-    keras_variable._value = new
+    strategy = _integration.variable_strategy(old)
+    if strategy is not None:  # still the strategy's (for optimizer slot colocation)
+        _integration.set_variable_strategy(new, strategy)
+    _integration.swap_variable(keras_variable, new)
     return old
 
 
@@ -303,9 +304,7 @@ def _move_optimizer_state(model, moved, colocated):
         reference = colocated.get(id(slot.value))
         if reference is not None and id(reference) in moved:
             _move(slot, moved[id(reference)].device)
-    optimizer._trainable_variables_indices = {
-        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
-    }
+    _integration.reindex_optimizer(optimizer)
 
 
 def placement_report(model):

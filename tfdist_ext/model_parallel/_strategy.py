@@ -2,26 +2,38 @@
 
 Built like ``tf.distribute.OneDeviceStrategy`` (one replica, so Keras'
 ``fit``/``evaluate``/``predict`` and save/load work unchanged) with an
-extended object that overrides three hooks:
+extended object that overrides these hooks:
 
 * ``_create_variable`` (the strategy's variable creator, active inside
-  ``scope()``): a variable is created on the device of its layer when the
-  plan is already known (explicit partition), next to the variable it is a
-  slot of (``colocate_vars_with``, used by Keras optimizers), or on the first
-  device until the model is placed;
+  ``scope()``) creates each variable on its stage's device: next to the
+  variable it is a slot of (``colocate_vars_with``, used by Keras optimizers);
+  on its layer's device of an explicit partition; under a
+  ``device_budget_bytes`` on the device the budget fill reached (the devices
+  fill in order as layers are created, a layer where its first variable fits,
+  and the plan then keeps the layers there, ``plan.partition == "filled"``);
+  for a model Keras builds lazily inside ``fit``/``evaluate``/... (no
+  ``Input``), where Keras creates the variables uninitialized and initializes
+  them once the model is built, on the device of the plan made at that moment.
+  Otherwise (``"balanced"`` without a budget, model built eagerly) a balanced
+  plan needs every layer's size, which only the built model has: the variables
+  go to the first device and are moved once when the model is placed;
 * ``_update``: optimizer updates run on the updated variable's device;
-* ``Strategy.run``: when Keras hands over a model's ``train_step`` the step
-  runs as the micro-batch pipelined, stage-by-stage step of ``_pipeline``;
-  any other function runs inside ``_placement.stage_gradients`` so that its
+* ``Strategy.run``: when Keras hands over the ``train_step`` of a
+  ``Sequential`` or functional model the step runs as the micro-batch
+  pipelined, stage-by-stage step of ``_pipeline``; any other function (a
+  user's own ``train_step``, a subclassed model's step, ``evaluate`` and
+  ``predict`` steps) runs inside ``_placement.stage_gradients`` so that its
   gradient ops follow their forward ops' devices.
 
-A model is *placed* (plan made, variables moved, layer calls wrapped in
-``tf.device``) by :meth:`ModelParallelStrategy.place`, which the strategy calls
-by itself when Keras first hands it the model: Keras' ``fit``, ``evaluate``,
-``predict`` (and the ``*_on_batch`` methods) distribute their dataset with
-``experimental_distribute_dataset`` or enter ``scope()`` before building the
-optimizer and before tracing any step; ``tfdist_ext._integration`` tells the
-strategy which model's Keras method is running.
+A model is *placed* (plan made, variables moved if needed, layer calls wrapped
+in ``tf.device``) by :meth:`ModelParallelStrategy.place`, which the strategy
+calls by itself when Keras first hands it the model: Keras' ``fit``,
+``evaluate``, ``predict`` (and the ``*_on_batch`` methods) distribute their
+dataset with ``experimental_distribute_dataset`` or enter ``scope()`` before
+building the optimizer and before tracing any step;
+``tfdist_ext._integration`` tells the strategy which model's Keras method is
+running, and hands ``fit``/``train_on_batch`` to the strategy first
+(``_tfdist_fit``), which refuses there what micro-batches cannot train.
 """
 
 import dataclasses
@@ -199,13 +211,23 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     """Model parallelism: one model's layers partitioned over several devices.
 
     Under ``strategy.scope()`` build and compile a Keras model as usual. The
-    strategy partitions its top-level layers into contiguous stages, one per
-    device, places each layer's variables on its stage's device and wraps its
-    computation in ``tf.device``; only activations cross stage boundaries.
-    ``fit``, ``evaluate``, ``predict`` and save/load work as usual. With
-    ``microbatches > 1`` each training batch is split into micro-batches that
-    flow through the stages GPipe-style, so devices work at the same time; the
-    gradients equal the unpipelined step's.
+    strategy partitions its top-level layers (a subclassed model's sub-layers)
+    into contiguous stages, one per device, creates each layer's variables on
+    its stage's device and wraps its computation in ``tf.device``; only
+    activations cross stage boundaries. ``fit``, ``evaluate``, ``predict`` and
+    save/load work as usual. With ``microbatches > 1`` each training batch is
+    split into micro-batches that flow through the stages GPipe-style, so
+    devices work at the same time; the gradients equal the unpipelined step's.
+
+    Where variables are created: with an explicit ``partition``, on their
+    layer's device; with ``device_budget_bytes``, the devices fill in order as
+    the layers are created (a model larger than one device builds; the plan
+    keeps the layers where they were created, ``plan.partition == "filled"``);
+    a model Keras builds inside ``fit`` (no ``Input``) is planned before its
+    variables exist. A ``"balanced"`` plan without a budget needs the sizes of
+    all layers, so a model built in the scope with an ``Input`` is created on
+    the first device and moved once when ``fit`` (or ``place``) places it: give
+    a budget or a partition when the model does not fit on one device.
 
     Args:
       devices: device names in pipeline order (e.g. ``logical_cpus(2)``).
@@ -213,14 +235,21 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         then fewest boundary activation bytes) or an explicit
         ``{layer name: device}`` map (parameter-free layers may be omitted and
         follow the previous layer).
-      microbatches: micro-batches per training step (>= 1). Pipelining needs a
-        chain model (``Sequential`` or a single-path functional model).
+      microbatches: micro-batches per training step (>= 1). ``Sequential`` and
+        functional models (branches, skip connections and several inputs or
+        outputs included: stages are cut on a topological order of the layer
+        graph) are pipelined. A subclassed model with its own ``call`` cannot
+        be cut into stages: ``fit`` refuses it at once (train it with
+        ``microbatches=1``; ``evaluate``/``predict`` work either way). A model
+        that overrides ``train_step`` has its own step run as written, on
+        whole batches, with a warning (its gradients still on their stages).
       balance_by: ``"params"`` or ``"flops"`` (see :func:`plan_partition`).
-      device_budget_bytes: optional per-device parameter budget (bytes). A
-        ``Dense`` layer over it is split column-wise over as many devices as
-        needed (see ``split_large_layers``); any other layer over it, or a plan
-        over it, raises ``ValueError`` when the model is placed (before the
-        first step).
+      device_budget_bytes: optional per-device parameter budget (bytes); the
+        devices fill in order as layers are created. A ``Dense`` layer over it
+        is split column-wise over as many devices as needed (see
+        ``split_large_layers``; it is created whole, then split when the model
+        is placed); any other layer over it, or a plan over it, raises
+        ``ValueError`` when the model is placed (before the first step).
       split_large_layers: with a budget, replace a ``Dense`` layer whose
         parameters exceed it by a :class:`ColumnParallelDense` with the same
         weights, one column shard per device, variables and matmuls on the
@@ -341,7 +370,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         for variable in model.weights:
             # The strategy now owns these variables (some may have been built
             # outside its scope): Keras' optimizer may colocate slots with them.
-            variable.value._distribute_strategy = self
+            _integration.set_variable_strategy(variable.value, self)
         optimizer = getattr(model, "optimizer", None)
         if optimizer is not None and not optimizer.built and \
                 _integration.optimizer_strategy(optimizer) is not None:
