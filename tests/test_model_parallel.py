@@ -680,6 +680,10 @@ def assert_created_on_their_stages(log, model, plan):
     """Each variable of each stage was created on the stage's device and is
     still the variable created then (never re-created elsewhere)."""
     created = {id(v): v.device for v in log}
+    optimizer = model.optimizer.variables if model.optimizer is not None else []
+    alive = {id(v.value) for v in [*model.weights, *model.metrics_variables, *optimizer]}
+    replaced = [v.name for v in log if id(v) not in alive]
+    assert not replaced, f"variables re-created elsewhere after they were built: {replaced}"
     for layer in model.layers:
         for w in layer.weights:
             assert id(w.value) in created, f"{w.path} was re-created after it was built"
@@ -867,14 +871,26 @@ def test_a_custom_train_step_runs(cpu_devices, microbatches):
             assert same_device(device, planned_device(strategy.plan, path)), path
 
 
-@pytest.mark.parametrize("entry", ["evaluate", "predict", "train_on_batch",
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("entry", ["fit", "evaluate", "predict", "train_on_batch",
                                    "test_on_batch", "predict_on_batch"])
-def test_any_keras_entry_point_places_the_model(cpu_devices, entry):
+def test_any_keras_entry_point_places_the_model(cpu_devices, entry, lazy):
+    """The first Keras call of a model places it, whichever it is; a model built
+    by that call (no Input) is created on its stages."""
     strategy = ModelParallelStrategy(cpu_devices[:2])
-    model = built(strategy, lambda: mlp(widths=(32,), inputs=64))
+    model = built(strategy, Tower if lazy else lambda: mlp(widths=(32,), inputs=64))
     x, y = digits(32)
     call = getattr(model, entry)
-    call(x) if entry.startswith("predict") else call(x, y)
+    with creations() as log:
+        if entry.startswith("predict"):
+            call(x)
+        elif entry == "fit":
+            call(x, y, verbose=0)
+        else:
+            call(x, y)
     assert strategy.plan is not None and len(strategy.plan.stages) == 2
     for path, device in placement_report(model).items():
         assert same_device(device, planned_device(strategy.plan, path)), path
+    if lazy:
+        assert_created_on_their_stages(log, model, strategy.plan)
+    assert model.predict(x[:4], verbose=0).shape == (4, 10)

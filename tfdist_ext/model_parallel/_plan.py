@@ -243,7 +243,7 @@ def top_level_layers(model_or_layers):
     import keras
 
     if isinstance(model_or_layers, keras.Model):
-        if not model_or_layers.built:
+        if not _built(model_or_layers):
             raise ValueError(
                 f"model {model_or_layers.name!r} is not built: give it an Input "
                 "(or call it once) before planning its partition"
@@ -252,6 +252,12 @@ def top_level_layers(model_or_layers):
     else:
         layers = list(model_or_layers)
     return [l for l in layers if not isinstance(l, keras.layers.InputLayer)]
+
+
+def _built(model):
+    """Whether ``model``'s variables all exist: it is built, or it is being
+    built by its first call and all its layers are (a subclassed model)."""
+    return model.built or bool(model.layers) and all(l.built for l in model.layers)
 
 
 def _check_devices(devices):

@@ -118,7 +118,7 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
                 variable = next_creator(**kwargs)
             self._colocated[id(variable)] = colocate_with
             return variable
-        device = self._planned_device_of_deferred_variable()
+        device = self._planned_device_of_deferred_variable(kwargs)
         if device is None:
             unit = _creating_unit()
             if isinstance(self._partition, dict):
@@ -156,18 +156,18 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
         self._filled_bytes[device] += nbytes
         return device, kwargs
 
-    def _planned_device_of_deferred_variable(self):
+    def _planned_device_of_deferred_variable(self, kwargs):
         """For a model Keras builds lazily inside ``fit``/``evaluate``/... (its
-        variables made uninitialized, then initialized one by one): the
-        variable's device in the model's plan, made now that the model is
-        built but before any of its variables exist."""
+        variables made uninitialized, then initialized one by one once its
+        layers are built): the variable's device in the model's plan, made
+        then, before any of its variables exist."""
         variable = _integration.variable_being_initialized()
         model = _integration.model_in_keras_call()
-        if variable is None or model is None or _integration.layer_scope_stack():
+        if variable is None or model is None or kwargs.get("name") != variable.name:
             return None
         devices = self._deferred_devices.get(id(model))
         if devices is None:
-            if id(model) in self._plans or not model.built:
+            if id(model) in self._plans or not _plan._built(model):
                 return None
             plan = self._container_strategy().make_plan(model)
             self._plans[id(model)] = plan
