@@ -121,6 +121,23 @@ def test_balanced_plan_cuts_at_the_smallest_activation(cpu_devices):
     assert plan.stages[0].boundary_bytes == 4 * 4 * 4 * 16
 
 
+def test_cut_bytes_count_every_tensor_crossing_the_cut(cpu_devices):
+    inputs = keras.Input((4,))
+    a = keras.layers.Dense(8, name="a")(inputs)
+    b = keras.layers.Dense(8, name="b")(a)
+    c = keras.layers.Concatenate(name="c")([keras.layers.Add(name="skip")([a, b]), inputs])
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(c))
+    assert [layer.name for layer in model.layers[1:]] == ["a", "b", "skip", "c", "out"]
+    # after a: a (and the input, read by c); after b: a, b, input; after skip:
+    # its sum, input; after c: c; after out: the output
+    assert [cost.activation_bytes for cost in layer_costs(model)] == \
+        [32 + 16, 32 + 32 + 16, 32 + 16, 48, 8]
+    plan = plan_partition(model, cpu_devices[:2], {"a": cpu_devices[0], "b": cpu_devices[0],
+                                                    "skip": cpu_devices[1],
+                                                    "out": cpu_devices[1]})
+    assert plan.stages[0].boundary_bytes == 32 + 32 + 16
+
+
 # --- placement -----------------------------------------------------------------
 
 
@@ -777,7 +794,7 @@ def branching_model():
     h3 = keras.layers.Dense(32, activation="relu", name="h3")(h2)
     side = keras.layers.Dense(16, activation="relu", name="side")(inputs)
     skip = keras.layers.Add(name="skip")([h1, h3])
-    joined = keras.layers.Concatenate(name="joined")([skip, side])
+    joined = keras.ops.concatenate([skip, side], axis=-1)  # an op, not a layer
     return keras.Model(inputs, keras.layers.Dense(10, name="out")(joined))
 
 

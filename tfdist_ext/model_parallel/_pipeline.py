@@ -96,7 +96,11 @@ def _stages(model, plan):
     made_in = {key: -1 for key in model_inputs}
     by_stage = [[] for _ in plan.stages]
     for call in calls:
-        s = stage_of_layer[call.layer.name]
+        # An operation that is not a layer (e.g. keras.ops.add in a functional
+        # model) has no variables and is not planned: it follows its inputs.
+        s = stage_of_layer.get(call.layer.name)
+        if s is None:
+            s = max([0, *(made_in.get(key, 0) for key in call.inputs)])
         for key in call.inputs:
             if made_in.get(key, -1) > s:
                 raise ValueError(
