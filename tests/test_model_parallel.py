@@ -268,7 +268,7 @@ def reference_loss_and_grads(model, x, y):
             pred = clone(x, training=True)
             loss = clone._compute_loss(x=x, y=y, y_pred=pred, training=True)
         grads = tape.gradient(loss, clone.trainable_variables)
-    return float(loss), [g.numpy() for g in grads]
+    return float(loss), [tf.convert_to_tensor(g).numpy() for g in grads]
 
 
 @pytest.mark.parametrize("make,flatten,microbatches,n", [
@@ -832,6 +832,29 @@ def test_pipelined_gradients_of_branching_functional_models_match(
     stages, _, _ = _pipeline._stages(model, strategy.plan)
     assert len(stages) == 3
     assert any(len(stage.inputs) > 1 for stage in stages)  # several tensors cross a cut
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_keras_masks_cross_stage_cuts(cpu_devices, microbatches):
+    """Embedding(mask_zero=True) on one stage, the masked pooling on the next."""
+    partition = {"emb": cpu_devices[0], "pool": cpu_devices[1], "out": cpu_devices[1]}
+    strategy = ModelParallelStrategy(cpu_devices[:2], partition, microbatches=microbatches)
+    model = built(strategy, lambda: keras.Sequential([
+        keras.Input((10,), dtype="int32"),
+        keras.layers.Embedding(50, 8, mask_zero=True, name="emb"),
+        keras.layers.GlobalAveragePooling1D(name="pool"), keras.layers.Dense(10, name="out")]))
+    strategy.place(model)
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 50, (16, 10)).astype("int32")
+    x[:, 6:] = 0  # padding the mask hides
+    y = rng.integers(0, 10, 16).astype("int32")
+    fn = tf.function(lambda a, b: microbatch_gradients(model, strategy.plan, (a, b),
+                                                       microbatches))
+    loss, _, grads = fn(tf.constant(x), tf.constant(y))
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)
 
 
 def test_branching_functional_model_fits_evaluates_predicts_with_microbatches(cpu_devices):

@@ -117,8 +117,9 @@ if global_state is not None:
     _check(global_state, "get_global_attribute")
 
 # model parallelism: a functional model's layer graph (the pipelined step cuts
-# it into stages), and the variables Keras creates uninitialized in a
-# StatelessScope while ``fit`` builds a model lazily (placed as they are
+# it into stages; a tensor's Keras mask, e.g. from Embedding(mask_zero=True),
+# is carried across the cuts), and the variables Keras creates uninitialized in
+# a StatelessScope while ``fit`` builds a model lazily (placed as they are
 # initialized).
 (Functional,) = _import("keras.src.models.functional", "Functional")
 (Function,) = _import("keras.src.ops.function", "Function")
@@ -142,6 +143,8 @@ if Function is not None:
     _check_sets(Function, "__init__", "_outputs_struct")
 if SymbolicArguments is not None:
     _check(SymbolicArguments, "fill_in", params=("tensor_dict",))
+(get_keras_mask, set_keras_mask) = _import("keras.src.backend.common.masking",
+                                           "get_keras_mask", "set_keras_mask")
 (BaseOptimizer,) = _import("keras.src.optimizers.base_optimizer", "BaseOptimizer")
 if KerasVariable is not None:
     _check(KerasVariable, "_deferred_initialize")

@@ -135,6 +135,25 @@ def _pack_outputs(model, flat):
     return keras.tree.pack_sequence_as(_integration.output_structure(model), flat)
 
 
+def _carry(value):
+    """``value`` on the current device, with its Keras mask (which a plain
+    ``tf.identity`` would drop) carried along."""
+    copy = tf.identity(value)
+    mask = _integration.get_keras_mask(value)
+    if mask is not None:
+        _integration.set_keras_mask(copy, tf.identity(mask))
+    return copy
+
+
+def _concat(parts):
+    """The micro-batches' outputs as one batch, with their Keras masks."""
+    whole = tf.concat(parts, axis=0)
+    masks = [_integration.get_keras_mask(p) for p in parts]
+    if all(mask is not None for mask in masks):
+        _integration.set_keras_mask(whole, tf.concat(masks, axis=0))
+    return whole
+
+
 def _add(total, value):
     if value is None:
         return total
@@ -178,7 +197,7 @@ def microbatch_gradients(model, plan, data, microbatches):
         values.append(dict(zip(model_inputs, (v[m] for v in split_x))))
         for s, stage in enumerate(stages):
             with tf.device(stage.device):
-                local = {k: tf.identity(values[m][k]) for k in stage.inputs}
+                local = {k: _carry(values[m][k]) for k in stage.inputs}
                 with tf.GradientTape() as tape:
                     watched = [k for k in stage.inputs if k not in not_watched
                                and local[k].dtype.is_floating]
@@ -200,7 +219,7 @@ def microbatch_gradients(model, plan, data, microbatches):
         with tf.GradientTape() as tape:
             tape.watch(flat_preds)
             y_pred = _pack_outputs(model, [
-                tf.concat([preds[m][i] for m in range(microbatches)], axis=0)
+                _concat([preds[m][i] for m in range(microbatches)])
                 for i in range(len(model_outputs))])
             loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
             scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
