@@ -93,15 +93,16 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
         self._budget = device_budget_bytes
         self._split_large_layers = split_large_layers
         self._colocated = {}  # id(slot tf.Variable) -> reference tf.Variable
-        self._plans = {}  # id(model) -> Plan
+        self._plans = weakref.WeakKeyDictionary()  # model -> Plan
         self._placing = False
         # Creation-time placement: a budget fills the devices in order.
         self._unit_devices = weakref.WeakKeyDictionary()  # top-level layer -> device
         self._fill_index = 0
         self._filled_bytes = dict.fromkeys(self._devices, 0)
-        self._deferred_devices = {}  # id(model) -> {id(keras.Variable): device}
+        # model -> {id(keras.Variable): device}, for a model built lazily
+        self._deferred_devices = weakref.WeakKeyDictionary()
         self._placed = weakref.WeakSet()  # models placed (plan applied)
-        self._warned = set()  # id(model) warned that its own train_step is not pipelined
+        self._warned = weakref.WeakSet()  # models told their train_step is not pipelined
 
     def _restart_filling(self):
         self._fill_index = 0
@@ -119,12 +120,10 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
             self._colocated[id(variable)] = colocate_with
             return variable
         device = self._planned_device_of_deferred_variable(kwargs)
-        if device is None:
-            unit = _creating_unit()
-            if isinstance(self._partition, dict):
-                device = self._explicit_device()
-            elif self._budget is not None and unit is not None:
-                device, kwargs = self._filled_device(unit, kwargs)
+        if device is None and isinstance(self._partition, dict):
+            device = self._explicit_device()
+        elif device is None and self._budget is not None and _creating_unit() is not None:
+            device, kwargs = self._filled_device(_creating_unit(), kwargs)
         with tf.device(device or self._devices[0]):
             return next_creator(**kwargs)
 
@@ -165,13 +164,12 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
         model = _integration.model_in_keras_call()
         if variable is None or model is None or kwargs.get("name") != variable.name:
             return None
-        devices = self._deferred_devices.get(id(model))
+        devices = self._deferred_devices.get(model)
         if devices is None:
-            if id(model) in self._plans or not _plan._built(model):
+            if model in self._plans or not _plan._built(model):
                 return None
-            plan = self._container_strategy().make_plan(model)
-            self._plans[id(model)] = plan
-            devices = self._deferred_devices[id(model)] = _placement.variable_devices(
+            plan = self._plans[model] = self._container_strategy().make_plan(model)
+            devices = self._deferred_devices[model] = _placement.variable_devices(
                 model, plan)
         return devices.get(id(variable))
 
@@ -362,9 +360,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
           >>> print(strategy.plan)               # doctest: +SKIP
         """
         ext = self.extended
-        plan = ext._plans.get(id(model))
+        plan = ext._plans.get(model)
         if plan is None:
-            plan = ext._plans[id(model)] = self.make_plan(model)
+            plan = ext._plans[model] = self.make_plan(model)
             ext._restart_filling()  # the next model fills the devices afresh
         _placement.apply_plan(model, plan, colocated=ext._colocated)
         for variable in model.weights:
@@ -415,8 +413,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             return
         overridden = _integration.overridden_step(model)
         if overridden is not None:
-            if id(model) not in self.extended._warned:
-                self.extended._warned.add(id(model))
+            if model not in self.extended._warned:
+                self.extended._warned.add(model)
                 warnings.warn(
                     f"model {model.name!r} overrides train_step ({overridden.__name__}): "
                     f"your step runs as written, on whole batches, without the "
@@ -442,7 +440,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             if model not in self.extended._placed:
                 self.place(model)
             fn = functools.partial(_pipeline.pipelined_train_step, model,
-                                   self.extended._plans[id(model)], self.microbatches)
+                                   self.extended._plans[model], self.microbatches)
         else:
             # A user's train_step, a subclassed model's, evaluate, predict:
             # tape.gradient would put every backward op on the first device.
