@@ -28,6 +28,13 @@ What we rely on, and why no public API does it:
 * ``Trainer._compute_loss``, ``_loss_tracker``, ``_compile_metrics``,
   ``Layer._call_has_training_arg``: what Keras's own ``train_step`` uses to
   compute the loss and metrics exactly as ``fit`` would.
+* For model parallelism: a functional model's graph (``Function``'s
+  ``_nodes_by_depth`` and ``_outputs_struct``, ``SymbolicArguments.fill_in``)
+  and Keras masks, to cut the graph into pipeline stages; the list of
+  variables Keras creates uninitialized while it builds a model lazily, to
+  create each on its stage's device; ``KerasVariable._value``,
+  ``tf.Variable._distribute_strategy`` and the optimizer's slot index, to move
+  a variable a plan places elsewhere.
 * TensorFlow's parameter-server strategy, ``ShardedVariable``, the
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
@@ -89,6 +96,18 @@ def _import(module, *names):
     return tuple(found)
 
 
+def _check_sets(owner, method, attr):
+    """Records a problem unless ``owner.method``'s source assigns ``self.attr``
+    (for instance attributes, which cannot be checked on the class)."""
+    try:
+        source = inspect.getsource(getattr(owner, method))
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if f"self.{attr} =" not in source:
+        _problems.append(f"{owner.__module__}.{owner.__qualname__}.{method} no longer "
+                         f"sets {attr}")
+
+
 # -- Keras ------------------------------------------------------------------
 
 (TensorFlowTrainer,) = _import("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
@@ -127,25 +146,14 @@ if global_state is not None:
 (KerasVariable,) = _import("keras.src.backend.common.variables", "Variable")
 
 
-def _check_sets(owner, method, attr):
-    """Records a problem unless ``owner.method``'s source assigns ``self.attr``."""
-    try:
-        source = inspect.getsource(getattr(owner, method))
-    except (AttributeError, OSError, TypeError):
-        source = ""
-    if f"self.{attr} =" not in source:
-        _problems.append(f"{owner.__module__}.{owner.__qualname__}.{method} no longer "
-                         f"sets {attr}")
-
-
+(get_keras_mask, set_keras_mask) = _import("keras.src.backend.common.masking",
+                                           "get_keras_mask", "set_keras_mask")
+(BaseOptimizer,) = _import("keras.src.optimizers.base_optimizer", "BaseOptimizer")
 if Function is not None:
     _check_sets(Function, "__init__", "_nodes_by_depth")
     _check_sets(Function, "__init__", "_outputs_struct")
 if SymbolicArguments is not None:
     _check(SymbolicArguments, "fill_in", params=("tensor_dict",))
-(get_keras_mask, set_keras_mask) = _import("keras.src.backend.common.masking",
-                                           "get_keras_mask", "set_keras_mask")
-(BaseOptimizer,) = _import("keras.src.optimizers.base_optimizer", "BaseOptimizer")
 if KerasVariable is not None:
     _check(KerasVariable, "_deferred_initialize")
     _check_sets(KerasVariable, "__init__", "_value")
@@ -181,12 +189,6 @@ if BaseOptimizer is not None:
 (executor_lib,) = _import("tensorflow.python.eager", "executor")
 (server_lib,) = _import("tensorflow.python.training", "server_lib")
 
-# model parallelism: a variable moved to its stage's device keeps its strategy.
-(BaseResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops",
-                                  "BaseResourceVariable")
-if BaseResourceVariable is not None:
-    _check_sets(BaseResourceVariable, "__init__", "_distribute_strategy")
-
 if distribute_lib is not None:
     _check(distribute_lib, "UpdateContext")
     _check(distribute_lib, "InputContext")
@@ -197,6 +199,12 @@ if ParameterServerStrategyV2Extended is not None:
 if tf.data.Dataset is not None:
     _check(tf.data.Dataset, "_as_serialized_graph",
            params=("strip_device_assignment", "external_state_policy"))
+
+# model parallelism: a variable moved to its stage's device keeps its strategy.
+(BaseResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops",
+                                  "BaseResourceVariable")
+if BaseResourceVariable is not None:
+    _check_sets(BaseResourceVariable, "__init__", "_distribute_strategy")
 
 if _problems:
     raise ImportError(
@@ -258,6 +266,14 @@ def overridden_step(model, name="train_step"):
     return None
 
 
+def layer_scope_stack():
+    """Keras layers whose name scopes are open now (outermost first)."""
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    return [e.caller for e in stack if isinstance(getattr(e, "caller", None), keras.layers.Layer)]
+
+
+# model parallelism
+
 def graph_nodes(model):
     """The call nodes of functional ``model`` in a topological order, as
     ``(layer, node)`` pairs; ``node.input_tensors`` and ``node.outputs`` are
@@ -314,12 +330,6 @@ def reindex_optimizer(optimizer):
     ``tf.Variable``)."""
     optimizer._trainable_variables_indices = {
         optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
-
-
-def layer_scope_stack():
-    """Keras layers whose name scopes are open now (outermost first)."""
-    stack = global_state.get_global_attribute("name_scope_stack") or []
-    return [e.caller for e in stack if isinstance(getattr(e, "caller", None), keras.layers.Layer)]
 
 
 # -- hooks --------------------------------------------------------------------
