@@ -69,6 +69,36 @@ def planned_device(plan, variable_path):
     return plan.device_of(variable_path.split("/")[-2])
 
 
+@contextlib.contextmanager
+def creations():
+    """Every tf.Variable created inside, as created (TensorFlow's own creator
+    hook: it sees the variable the strategy's creator made, where it made it)."""
+    log = []
+
+    def record(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        log.append(variable)
+        return variable
+
+    with tf.variable_creator_scope(record):
+        yield log
+
+
+def assert_created_on_their_stages(log, model, plan):
+    """Each variable of each stage was created on the stage's device and is
+    still the variable created then (never re-created elsewhere)."""
+    created = {id(v): v.device for v in log}
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = optimizer.variables if optimizer is not None else []
+    alive = {id(v.value) for v in [*model.variables, *model.metrics_variables, *optimizer]}
+    replaced = [v.name for v in log if id(v) not in alive]
+    assert not replaced, f"variables re-created elsewhere after they were built: {replaced}"
+    for layer in model.layers:
+        for w in layer.weights:
+            assert id(w.value) in created, f"{w.path} was re-created after it was built"
+            assert same_device(created[id(w.value)], plan.device_of(layer.name)), w.path
+
+
 # --- plans -------------------------------------------------------------------
 
 
@@ -163,7 +193,7 @@ def test_fit_places_every_variable_on_its_planned_device(cpu_devices):
 def test_explicit_partition_places_variables_when_created(cpu_devices):
     partition = {"a": cpu_devices[1], "b": cpu_devices[2], "c": cpu_devices[2]}
     strategy = ModelParallelStrategy(cpu_devices[:3], partition=partition)
-    with strategy.scope():
+    with strategy.scope(), creations() as log:
         model = keras.Sequential([
             keras.Input((6,)), keras.layers.Dense(5, name="a"),
             keras.layers.Dropout(0.1, name="drop"),
@@ -175,6 +205,7 @@ def test_explicit_partition_places_variables_when_created(cpu_devices):
     strategy.place(model)
     assert strategy.plan.layer_devices == {"a": cpu_devices[1], "drop": cpu_devices[1],
                                            "b": cpu_devices[2], "c": cpu_devices[2]}
+    assert_created_on_their_stages(log, model, strategy.plan)
 
 
 def _step_graph(strategy, model, batch_shape):
@@ -676,35 +707,6 @@ def test_backward_ops_follow_stages_in_an_unpipelined_keras_step(cpu_devices):
 
 
 # --- real Keras programs (issue 12, item 7) -------------------------------------
-
-
-@contextlib.contextmanager
-def creations():
-    """Every tf.Variable created inside, as created (TensorFlow's own creator
-    hook: it sees the variable the strategy's creator made, where it made it)."""
-    log = []
-
-    def record(next_creator, **kwargs):
-        variable = next_creator(**kwargs)
-        log.append(variable)
-        return variable
-
-    with tf.variable_creator_scope(record):
-        yield log
-
-
-def assert_created_on_their_stages(log, model, plan):
-    """Each variable of each stage was created on the stage's device and is
-    still the variable created then (never re-created elsewhere)."""
-    created = {id(v): v.device for v in log}
-    optimizer = model.optimizer.variables if model.optimizer is not None else []
-    alive = {id(v.value) for v in [*model.weights, *model.metrics_variables, *optimizer]}
-    replaced = [v.name for v in log if id(v) not in alive]
-    assert not replaced, f"variables re-created elsewhere after they were built: {replaced}"
-    for layer in model.layers:
-        for w in layer.weights:
-            assert id(w.value) in created, f"{w.path} was re-created after it was built"
-            assert same_device(created[id(w.value)], plan.device_of(layer.name)), w.path
 
 
 def test_a_model_larger_than_one_device_is_built_on_its_stages_and_trains(cpu_devices):
