@@ -1,7 +1,9 @@
 """ModelParallelStrategy: plans, real placement, pipelined gradients, Keras workflow."""
 
+import contextlib
 import itertools
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -67,6 +69,36 @@ def planned_device(plan, variable_path):
     return plan.device_of(variable_path.split("/")[-2])
 
 
+@contextlib.contextmanager
+def creations():
+    """Every tf.Variable created inside, as created (TensorFlow's own creator
+    hook: it sees the variable the strategy's creator made, where it made it)."""
+    log = []
+
+    def record(next_creator, **kwargs):
+        variable = next_creator(**kwargs)
+        log.append(variable)
+        return variable
+
+    with tf.variable_creator_scope(record):
+        yield log
+
+
+def assert_created_on_their_stages(log, model, plan):
+    """Each variable of each stage was created on the stage's device and is
+    still the variable created then (never re-created elsewhere)."""
+    created = {id(v): v.device for v in log}
+    optimizer = getattr(model, "optimizer", None)
+    optimizer = optimizer.variables if optimizer is not None else []
+    alive = {id(v.value) for v in [*model.variables, *model.metrics_variables, *optimizer]}
+    replaced = [v.name for v in log if id(v) not in alive]
+    assert not replaced, f"variables re-created elsewhere after they were built: {replaced}"
+    for layer in model.layers:
+        for w in layer.weights:
+            assert id(w.value) in created, f"{w.path} was re-created after it was built"
+            assert same_device(created[id(w.value)], plan.device_of(layer.name)), w.path
+
+
 # --- plans -------------------------------------------------------------------
 
 
@@ -119,6 +151,23 @@ def test_balanced_plan_cuts_at_the_smallest_activation(cpu_devices):
     assert plan.stages[0].boundary_bytes == 4 * 4 * 4 * 16
 
 
+def test_cut_bytes_count_every_tensor_crossing_the_cut(cpu_devices):
+    inputs = keras.Input((4,))
+    a = keras.layers.Dense(8, name="a")(inputs)
+    b = keras.layers.Dense(8, name="b")(a)
+    c = keras.layers.Concatenate(name="c")([keras.layers.Add(name="skip")([a, b]), inputs])
+    model = keras.Model(inputs, keras.layers.Dense(2, name="out")(c))
+    assert [layer.name for layer in model.layers[1:]] == ["a", "b", "skip", "c", "out"]
+    # after a: a (and the input, read by c); after b: a, b, input; after skip:
+    # its sum, input; after c: c; after out: the output
+    assert [cost.activation_bytes for cost in layer_costs(model)] == \
+        [32 + 16, 32 + 32 + 16, 32 + 16, 48, 8]
+    plan = plan_partition(model, cpu_devices[:2], {"a": cpu_devices[0], "b": cpu_devices[0],
+                                                    "skip": cpu_devices[1],
+                                                    "out": cpu_devices[1]})
+    assert plan.stages[0].boundary_bytes == 32 + 32 + 16
+
+
 # --- placement -----------------------------------------------------------------
 
 
@@ -144,7 +193,7 @@ def test_fit_places_every_variable_on_its_planned_device(cpu_devices):
 def test_explicit_partition_places_variables_when_created(cpu_devices):
     partition = {"a": cpu_devices[1], "b": cpu_devices[2], "c": cpu_devices[2]}
     strategy = ModelParallelStrategy(cpu_devices[:3], partition=partition)
-    with strategy.scope():
+    with strategy.scope(), creations() as log:
         model = keras.Sequential([
             keras.Input((6,)), keras.layers.Dense(5, name="a"),
             keras.layers.Dropout(0.1, name="drop"),
@@ -156,6 +205,7 @@ def test_explicit_partition_places_variables_when_created(cpu_devices):
     strategy.place(model)
     assert strategy.plan.layer_devices == {"a": cpu_devices[1], "drop": cpu_devices[1],
                                            "b": cpu_devices[2], "c": cpu_devices[2]}
+    assert_created_on_their_stages(log, model, strategy.plan)
 
 
 def _step_graph(strategy, model, batch_shape):
@@ -249,7 +299,7 @@ def reference_loss_and_grads(model, x, y):
             pred = clone(x, training=True)
             loss = clone._compute_loss(x=x, y=y, y_pred=pred, training=True)
         grads = tape.gradient(loss, clone.trainable_variables)
-    return float(loss), [g.numpy() for g in grads]
+    return float(loss), [tf.convert_to_tensor(g).numpy() for g in grads]
 
 
 @pytest.mark.parametrize("make,flatten,microbatches,n", [
@@ -312,7 +362,7 @@ def test_fit_evaluate_predict_save_load(cpu_devices, tmp_path):
     loaded.fit(x, y, batch_size=32, epochs=1, verbose=0)  # restored optimizer moved too
 
 
-def test_functional_non_chain_model_trains_unpipelined(cpu_devices):
+def test_functional_branching_model_trains(cpu_devices):
     inputs = keras.Input((64,))
     a = keras.layers.Dense(32, activation="relu", name="a")(inputs)
     b = keras.layers.Dense(32, activation="relu", name="b")(inputs)
@@ -325,11 +375,6 @@ def test_functional_non_chain_model_trains_unpipelined(cpu_devices):
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     for path, device in placement_report(model).items():
         assert same_device(device, planned_device(strategy.plan, path))
-    with pytest.raises(ValueError, match="chain"):
-        pipelined = ModelParallelStrategy(cpu_devices[:2], microbatches=2)
-        with pipelined.scope():
-            m2 = keras.Model(inputs, out)
-        pipelined.place(m2)
 
 
 def test_apply_plan_on_a_plain_keras_model(cpu_devices):
@@ -659,3 +704,235 @@ def test_backward_ops_follow_stages_in_an_unpipelined_keras_step(cpu_devices):
     assert len({op.device for op in ops}) == 2
     for op in ops:
         assert same_device(op.device, strategy.plan.device_of(_layer_of(op, names))), op.name
+
+
+# --- real Keras programs (issue 12, item 7) -------------------------------------
+
+
+def test_a_model_larger_than_one_device_is_built_on_its_stages_and_trains(cpu_devices):
+    budget = 20_000  # bytes per device; each Dense(64) below needs 16,640
+    strategy = ModelParallelStrategy(cpu_devices, device_budget_bytes=budget)
+    keras.utils.set_random_seed(0)
+    with strategy.scope(), creations() as log:
+        model = mlp(widths=(64, 64, 64), inputs=64)
+    assert 4 * model.count_params() > 2 * budget
+    model_variables = {id(w.value) for w in model.weights}
+    assert {id(v) for v in log} == model_variables  # nothing else, nothing twice
+    with strategy.scope():
+        model.compile(keras.optimizers.SGD(0.05), LOSS)
+    x, y = digits(256)
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    plan = strategy.plan
+    assert_created_on_their_stages(log, model, plan)
+    assert plan.partition == "filled" and len(plan.stages) >= 3
+    assert max(plan.device_param_bytes.values()) <= budget
+    assert {id(w.value) for w in model.weights} == model_variables  # none moved in fit
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+class Tower(keras.Model):
+    """A subclassed model without an Input: Keras builds it inside fit."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d1 = keras.layers.Dense(48, activation="relu", name="d1")
+        self.d2 = keras.layers.Dense(32, activation="relu", name="d2")
+        self.head = keras.layers.Dense(10, name="head")
+
+    def call(self, x):
+        return self.head(self.d2(self.d1(x)))
+
+
+def test_subclassed_model_built_inside_fit_is_created_and_run_on_its_stages(cpu_devices):
+    strategy = ModelParallelStrategy(cpu_devices[:2])
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = Tower()
+        model.compile(keras.optimizers.SGD(0.1), LOSS)
+    assert not model.built
+    x, y = digits(256)
+    with creations() as log:
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    plan = strategy.plan
+    assert plan.layer_devices == {"d1": cpu_devices[0], "d2": cpu_devices[1],
+                                  "head": cpu_devices[1]}
+    assert_created_on_their_stages(log, model, plan)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    # Forward and backward matmuls of each sub-layer run on its stage's device.
+    ops = [op for op in _step_graph(strategy, model, (64,)).get_operations()
+           if op.type == "MatMul"]
+    assert len(ops) == 3 * 3 - 1
+    for op in ops:
+        assert same_device(op.device, plan.device_of(_layer_of(op, set(plan.layer_devices)))), \
+            op.name
+    assert model.evaluate(x, y, verbose=0) < history.history["loss"][0]
+    assert model.predict(x[:4], verbose=0).shape == (4, 10)
+
+
+def test_subclassed_model_with_microbatches_evaluates_predicts_and_refuses_fit(cpu_devices):
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=2)
+    with strategy.scope():
+        model = Tower()
+        model.compile("sgd", LOSS)
+    x, y = digits(64)
+    assert np.isfinite(model.evaluate(x, y, verbose=0))
+    assert model.predict(x[:4], verbose=0).shape == (4, 10)
+    weights = [w.numpy() for w in model.weights]
+    for train in (lambda: model.fit(x, y, epochs=1, verbose=0),
+                  lambda: model.train_on_batch(x, y)):
+        with pytest.raises(ValueError, match="microbatches=2 cannot train model .* is a "
+                                             "subclassed model .* microbatches=1"):
+            train()
+    assert model.train_function is None  # refused before anything ran
+    for w, before in zip(model.weights, weights):
+        np.testing.assert_array_equal(w.numpy(), before)
+
+
+def branching_model():
+    """Branches from the input, a skip connection over two stages, a concat."""
+    inputs = keras.Input((64,))
+    h1 = keras.layers.Dense(32, activation="relu", name="h1")(inputs)
+    h2 = keras.layers.Dense(32, activation="tanh", name="h2")(h1)
+    h3 = keras.layers.Dense(32, activation="relu", name="h3")(h2)
+    side = keras.layers.Dense(16, activation="relu", name="side")(inputs)
+    skip = keras.layers.Add(name="skip")([h1, h3])
+    joined = keras.ops.concatenate([skip, side], axis=-1)  # an op, not a layer
+    return keras.Model(inputs, keras.layers.Dense(10, name="out")(joined))
+
+
+def two_input_model():
+    a, b = keras.Input((40,), name="a"), keras.Input((24,), name="b")
+    ha = keras.layers.Dense(32, activation="relu", name="ha")(a)
+    hb = keras.layers.Dense(32, activation="relu", name="hb")(b)
+    h = keras.layers.Dense(32, activation="relu", name="h")(
+        keras.layers.Concatenate(name="cat")([ha, hb]))
+    return keras.Model([a, b], keras.layers.Dense(10, name="out")(
+        keras.layers.Add(name="skip")([h, ha])))
+
+
+@pytest.mark.parametrize("make,split_inputs", [(branching_model, False),
+                                               (two_input_model, True)])
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_pipelined_gradients_of_branching_functional_models_match(
+        cpu_devices, make, split_inputs, microbatches):
+    from tfdist_ext.model_parallel import _pipeline
+
+    strategy = ModelParallelStrategy(cpu_devices[:3], microbatches=microbatches)
+    model = built(strategy, make)
+    strategy.place(model)
+    x, y = digits(32)
+    if split_inputs:
+        x = [x[:, :40], x[:, 40:]]
+    fn = tf.function(lambda x, y: microbatch_gradients(model, strategy.plan, (x, y),
+                                                       microbatches))
+    loss, _, grads = fn(tf.nest.map_structure(tf.constant, x), tf.constant(y))
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)
+    stages, _, _ = _pipeline._stages(model, strategy.plan)
+    assert len(stages) == 3
+    assert any(len(stage.inputs) > 1 for stage in stages)  # several tensors cross a cut
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_keras_masks_cross_stage_cuts(cpu_devices, microbatches):
+    """Embedding(mask_zero=True) on one stage, the masked pooling on the next."""
+    partition = {"emb": cpu_devices[0], "pool": cpu_devices[1], "out": cpu_devices[1]}
+    strategy = ModelParallelStrategy(cpu_devices[:2], partition, microbatches=microbatches)
+    model = built(strategy, lambda: keras.Sequential([
+        keras.Input((10,), dtype="int32"),
+        keras.layers.Embedding(50, 8, mask_zero=True, name="emb"),
+        keras.layers.GlobalAveragePooling1D(name="pool"), keras.layers.Dense(10, name="out")]))
+    strategy.place(model)
+    rng = np.random.default_rng(0)
+    x = rng.integers(1, 50, (16, 10)).astype("int32")
+    x[:, 6:] = 0  # padding the mask hides
+    y = rng.integers(0, 10, 16).astype("int32")
+    fn = tf.function(lambda a, b: microbatch_gradients(model, strategy.plan, (a, b),
+                                                       microbatches))
+    loss, _, grads = fn(tf.constant(x), tf.constant(y))
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)
+
+
+def test_branching_functional_model_fits_evaluates_predicts_with_microbatches(cpu_devices):
+    x, y = digits(128)
+    weights = {}
+    for m in (1, 4):
+        strategy = ModelParallelStrategy(cpu_devices[:3], microbatches=m)
+        model = built(strategy, branching_model, metrics=["accuracy"])
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        weights[m] = model.get_weights()
+        loss, _ = model.evaluate(x, y, verbose=0)
+        assert np.isfinite(loss)
+        assert model.predict(x[:5], verbose=0).shape == (5, 10)
+    for a, b in zip(weights[1], weights[4]):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+class CountingSequential(keras.Sequential):
+    """A user's own train_step with its own loss and a step counter."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.steps_run = keras.Variable(0, dtype="int64", trainable=False, name="steps_run")
+
+    def train_step(self, data):
+        x, y = data
+        self.steps_run.assign_add(1)
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, self(x, training=True))
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"my_loss": loss}
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_custom_train_step_runs(cpu_devices, microbatches):
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=microbatches)
+    keras.utils.set_random_seed(0)
+    with strategy.scope():
+        model = CountingSequential([keras.Input((64,)),
+                                    keras.layers.Dense(32, activation="relu"),
+                                    keras.layers.Dense(10)])
+        model.compile(keras.optimizers.SGD(0.1))
+    x, y = digits(128)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    mine = [w for w in caught if "overrides train_step" in str(w.message)]
+    assert len(mine) == (microbatches > 1)
+    assert int(model.steps_run.numpy()) == 3 * 4
+    assert history.history["my_loss"][-1] < history.history["my_loss"][0]
+    for path, device in placement_report(model).items():
+        if path != "steps_run":
+            assert same_device(device, planned_device(strategy.plan, path)), path
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+@pytest.mark.parametrize("entry", ["fit", "evaluate", "predict", "train_on_batch",
+                                   "test_on_batch", "predict_on_batch"])
+def test_any_keras_entry_point_places_the_model(cpu_devices, entry, lazy):
+    """The first Keras call of a model places it, whichever it is; a model built
+    by that call (no Input) is created on its stages."""
+    strategy = ModelParallelStrategy(cpu_devices[:2])
+    model = built(strategy, Tower if lazy else lambda: mlp(widths=(32,), inputs=64))
+    x, y = digits(32)
+    call = getattr(model, entry)
+    with creations() as log:
+        if entry.startswith("predict"):
+            call(x)
+        elif entry == "fit":
+            call(x, y, verbose=0)
+        else:
+            call(x, y)
+    assert strategy.plan is not None and len(strategy.plan.stages) == 2
+    for path, device in placement_report(model).items():
+        assert same_device(device, planned_device(strategy.plan, path)), path
+    if lazy:
+        assert_created_on_their_stages(log, model, strategy.plan)
+    assert model.predict(x[:4], verbose=0).shape == (4, 10)

@@ -28,6 +28,13 @@ What we rely on, and why no public API does it:
 * ``Trainer._compute_loss``, ``_loss_tracker``, ``_compile_metrics``,
   ``Layer._call_has_training_arg``: what Keras's own ``train_step`` uses to
   compute the loss and metrics exactly as ``fit`` would.
+* For model parallelism: a functional model's graph (``Function``'s
+  ``_nodes_by_depth`` and ``_outputs_struct``, ``SymbolicArguments.fill_in``)
+  and Keras masks, to cut the graph into pipeline stages; the list of
+  variables Keras creates uninitialized while it builds a model lazily, to
+  create each on its stage's device; ``KerasVariable._value``,
+  ``tf.Variable._distribute_strategy`` and the optimizer's slot index, to move
+  a variable a plan places elsewhere.
 * TensorFlow's parameter-server strategy, ``ShardedVariable``, the
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
@@ -89,6 +96,18 @@ def _import(module, *names):
     return tuple(found)
 
 
+def _check_sets(owner, method, attr):
+    """Records a problem unless ``owner.method``'s source assigns ``self.attr``
+    (for instance attributes, which cannot be checked on the class)."""
+    try:
+        source = inspect.getsource(getattr(owner, method))
+    except (AttributeError, OSError, TypeError):
+        source = ""
+    if f"self.{attr} =" not in source:
+        _problems.append(f"{owner.__module__}.{owner.__qualname__}.{method} no longer "
+                         f"sets {attr}")
+
+
 # -- Keras ------------------------------------------------------------------
 
 (TensorFlowTrainer,) = _import("keras.src.backend.tensorflow.trainer", "TensorFlowTrainer")
@@ -115,6 +134,33 @@ if TFOptimizer is not None:
     _check(TFOptimizer, "_all_reduce_sum_gradients", params=("grads_and_vars",))
 if global_state is not None:
     _check(global_state, "get_global_attribute")
+
+# model parallelism: a functional model's layer graph (the pipelined step cuts
+# it into stages; a tensor's Keras mask, e.g. from Embedding(mask_zero=True),
+# is carried across the cuts), and the variables Keras creates uninitialized in
+# a StatelessScope while ``fit`` builds a model lazily (placed as they are
+# initialized).
+(Functional,) = _import("keras.src.models.functional", "Functional")
+(Function,) = _import("keras.src.ops.function", "Function")
+(SymbolicArguments,) = _import("keras.src.ops.symbolic_arguments", "SymbolicArguments")
+(KerasVariable,) = _import("keras.src.backend.common.variables", "Variable")
+
+
+(get_keras_mask, set_keras_mask) = _import("keras.src.backend.common.masking",
+                                           "get_keras_mask", "set_keras_mask")
+(BaseOptimizer,) = _import("keras.src.optimizers.base_optimizer", "BaseOptimizer")
+if Function is not None:
+    _check_sets(Function, "__init__", "_nodes_by_depth")
+    _check_sets(Function, "__init__", "_outputs_struct")
+if SymbolicArguments is not None:
+    _check(SymbolicArguments, "fill_in", params=("tensor_dict",))
+if KerasVariable is not None:
+    _check(KerasVariable, "_deferred_initialize")
+    _check_sets(KerasVariable, "__init__", "_value")
+if BaseOptimizer is not None:
+    _check_sets(BaseOptimizer, "__init__", "_trainable_variables_indices")
+    _check_sets(BaseOptimizer, "build", "_trainable_variables")
+    _check(BaseOptimizer, "_var_key", params=("variable",))
 
 # -- TensorFlow -------------------------------------------------------------
 
@@ -153,6 +199,12 @@ if ParameterServerStrategyV2Extended is not None:
 if tf.data.Dataset is not None:
     _check(tf.data.Dataset, "_as_serialized_graph",
            params=("strip_device_assignment", "external_state_policy"))
+
+# model parallelism: a variable moved to its stage's device keeps its strategy.
+(BaseResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops",
+                                  "BaseResourceVariable")
+if BaseResourceVariable is not None:
+    _check_sets(BaseResourceVariable, "__init__", "_distribute_strategy")
 
 if _problems:
     raise ImportError(
@@ -218,6 +270,66 @@ def layer_scope_stack():
     """Keras layers whose name scopes are open now (outermost first)."""
     stack = global_state.get_global_attribute("name_scope_stack") or []
     return [e.caller for e in stack if isinstance(getattr(e, "caller", None), keras.layers.Layer)]
+
+
+# model parallelism
+
+def graph_nodes(model):
+    """The call nodes of functional ``model`` in a topological order, as
+    ``(layer, node)`` pairs; ``node.input_tensors`` and ``node.outputs`` are
+    the ``KerasTensor``s it reads and writes (input layers left out)."""
+    nodes = model._nodes_by_depth
+    return [(node.operation, node) for depth in sorted(nodes, reverse=True)
+            for node in nodes[depth] if node.operation is not None and not node.is_input]
+
+
+def node_arguments(node, values):
+    """``(args, kwargs)`` of ``node``'s call with its ``KerasTensor``s replaced
+    by ``values[id(keras_tensor)]``."""
+    return node.arguments.fill_in(values)
+
+
+def is_functional(model):
+    """Whether ``model`` is a functional model (built from ``keras.Input``)."""
+    return isinstance(model, Functional)
+
+
+def output_structure(model):
+    """The nesting of functional ``model``'s outputs (as its call returns them)."""
+    return model._outputs_struct
+
+
+def variable_being_initialized():
+    """The ``keras.Variable`` whose deferred initialization is running now (the
+    first of those Keras created uninitialized in a ``StatelessScope``, e.g.
+    while ``fit`` builds a model lazily, that still has no value), or ``None``."""
+    pending = global_state.get_global_attribute("uninitialized_variables") or []
+    return next((v for v in pending if v._value is None), None)
+
+
+def swap_variable(variable, tf_variable):
+    """Makes ``keras.Variable`` ``variable`` hold ``tf_variable`` (e.g. a copy on
+    another device): every Keras reference to ``variable`` sees the new one."""
+    variable._value = tf_variable
+
+
+def variable_strategy(tf_variable):
+    """The ``tf.distribute`` strategy ``tf_variable`` was created under, or ``None``."""
+    return getattr(tf_variable, "_distribute_strategy", None)
+
+
+def set_variable_strategy(tf_variable, strategy):
+    """Marks ``tf_variable`` as created under ``strategy`` (what
+    ``colocate_vars_with`` checks when an optimizer makes its slots)."""
+    tf_variable._distribute_strategy = strategy
+
+
+def reindex_optimizer(optimizer):
+    """Re-keys a built optimizer's per-variable slots after its variables'
+    ``tf.Variable``s were swapped (the TensorFlow optimizer keys them by the
+    ``tf.Variable``)."""
+    optimizer._trainable_variables_indices = {
+        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
 
 
 # -- hooks --------------------------------------------------------------------

@@ -14,8 +14,9 @@ Steps:
      ``evaluate``, ``predict`` as usual) and read its plan;
   3. check that variables *and* ops are on their planned devices;
   4. GPipe micro-batches: the gradients equal the one-device gradients;
-  5. an explicit partition, and a layer too big for one device (split
-     column-wise automatically under a per-device budget);
+  5. an explicit partition, a layer too big for one device (split
+     column-wise automatically under a per-device budget), and a model too
+     big for one device (each variable created on its stage's device);
   6. save and load;
   7. the placement engine on its own (``plan_partition`` + ``apply_plan``).
 """
@@ -109,8 +110,8 @@ def main():
     x, y = x_test[:96], y_test[:96]
     reference = copy_without_dropout()  # stays on one device
     with tf.GradientTape() as tape:
-        ref_loss = reference._compute_loss(x=x, y=y, y_pred=reference(x, training=True),
-                                           training=True)
+        ref_loss = reference.compute_loss(x=x, y=y, y_pred=reference(x, training=True),
+                                          training=True)
     ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
     partitioned = copy_without_dropout()
     check = ModelParallelStrategy(DEVICES, microbatches=4)
@@ -156,6 +157,24 @@ def main():
           f"{wide.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
     # (In a functional model, write the layer as ColumnParallelDense(4096,
     # num_shards=2) yourself: automatic splitting needs a Sequential model.)
+
+    # 5c. A model larger than one device whose layers each fit: under a budget
+    # each variable is created on its stage's device while the model is built
+    # (the devices fill in order), so the model never has to fit on one
+    # device; the plan keeps the layers where they were created.
+    deep = ModelParallelStrategy(DEVICES, device_budget_bytes=300_000)
+    keras.utils.set_random_seed(SEED)
+    with deep.scope():
+        large = keras.Sequential([keras.Input((64,)),
+                                  keras.layers.Dense(256, activation="relu", name="l1"),
+                                  keras.layers.Dense(256, activation="relu", name="l2"),
+                                  keras.layers.Dense(10, name="l3")])
+    print(f"{4 * large.count_params():,} parameter bytes, 300,000 B per device; "
+          "created on: " + ", ".join(f"{layer.name} {short(layer.kernel.value.device)}"
+                                     for layer in large.layers))
+    large.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
+    large.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
+    print(deep.plan)
 
     # 6. Save and load as usual; loading under a strategy places the model again.
     print("\n== 6. save / load ==")

@@ -36,8 +36,8 @@ Example:
 """
 
 from tfdist_ext.model_parallel._layers import ColumnParallelDense
-from tfdist_ext.model_parallel._pipeline import chain_layers
 from tfdist_ext.model_parallel._pipeline import microbatch_gradients
+from tfdist_ext.model_parallel._pipeline import pipeline_problem
 from tfdist_ext.model_parallel._placement import apply_plan
 from tfdist_ext.model_parallel._placement import placement_report
 from tfdist_ext.model_parallel._placement import stage_gradients
@@ -55,9 +55,9 @@ __all__ = [
     "Plan",
     "Stage",
     "apply_plan",
-    "chain_layers",
     "layer_costs",
     "microbatch_gradients",
+    "pipeline_problem",
     "placement_report",
     "plan_partition",
     "stage_gradients",

@@ -33,6 +33,8 @@ import functools
 import threading
 import weakref
 
+from tfdist_ext import _integration
+
 _LOCAL = threading.local()
 
 
@@ -143,11 +145,10 @@ def _move(keras_variable, device):
             name=keras_variable.name, aggregation=old.aggregation,
             synchronization=old.synchronization,
         )
-    if hasattr(old, "_distribute_strategy"):
-        # Marks the variable as created in the strategy's scope (checked by
-        # ``colocate_vars_with`` when an optimizer makes its slots).
-        new._distribute_strategy = old._distribute_strategy
-    keras_variable._value = new
+    strategy = _integration.variable_strategy(old)
+    if strategy is not None:  # still the strategy's (for optimizer slot colocation)
+        _integration.set_variable_strategy(new, strategy)
+    _integration.swap_variable(keras_variable, new)
     return old
 
 
@@ -171,8 +172,19 @@ def _wrap_call(layer, device):
     layer.__dict__["call"] = call
 
 
-def layer_variables(layer):
-    return list(layer.weights)
+def variable_devices(model, plan):
+    """``{id(keras.Variable): device}`` for the variables of ``model``'s
+    top-level layers as ``plan`` places them (column shards on theirs)."""
+    from tfdist_ext.model_parallel._plan import top_level_layers
+
+    out = {}
+    for layer in top_level_layers(model):
+        if layer.name in plan.shard_devices and hasattr(layer, "shard_variables"):
+            for shard, device in zip(layer.shard_variables(), plan.shard_devices[layer.name]):
+                out.update({id(v): device for v in shard})
+        for v in layer.weights:
+            out.setdefault(id(v), plan.layer_devices[layer.name])
+    return out
 
 
 def apply_plan(model, plan, *, place_variables=True, colocated=None):
@@ -221,26 +233,18 @@ def apply_plan(model, plan, *, place_variables=True, colocated=None):
         _split_dense(model, layer, plan.shard_devices[layer.name])
     if split:
         layers = top_level_layers(model)
+    placement = variable_devices(model, plan)
     moved = {}
-    for layer in layers:
-        device = devices[layer.name]
-        shard_ids = set()
-        if layer.name in plan.shard_devices:
-            shard_devices = list(plan.shard_devices[layer.name])
-            layer._shard_placement = shard_devices
-            for shard, shard_device in zip(layer.shard_variables(), shard_devices):
-                for v in shard:
-                    shard_ids.add(id(v))
-                    old = _move(v, shard_device) if place_variables else None
-                    if old is not None:
-                        moved[id(old)] = v.value
-        for v in layer_variables(layer):
-            if id(v) in shard_ids:
-                continue
-            old = _move(v, device) if place_variables else None
+    if place_variables:
+        for v in model.weights:
+            device = placement.get(id(v))
+            old = _move(v, device) if device is not None else None
             if old is not None:
                 moved[id(old)] = v.value
-        _wrap_call(layer, device)
+    for layer in layers:
+        if layer.name in plan.shard_devices:
+            layer._shard_placement = list(plan.shard_devices[layer.name])
+        _wrap_call(layer, devices[layer.name])
     if moved:
         _move_optimizer_state(model, moved, colocated or {})
     if moved or split:
@@ -284,8 +288,8 @@ def _split_dense(model, dense, devices):
             start += size
     # Swap it in with Sequential's own pop/add; the other layers keep their
     # weights and the model is rebuilt once.
-    index = model._layers.index(dense)
-    tail = [model.pop(rebuild=False) for _ in range(len(model._layers) - index)][::-1]
+    index = model.layers.index(dense)
+    tail = [model.pop(rebuild=False) for _ in range(len(model.layers) - index)][::-1]
     rest = [layer, *tail[1:]]
     for i, l in enumerate(rest):
         model.add(l, rebuild=i == len(rest) - 1)
@@ -300,9 +304,7 @@ def _move_optimizer_state(model, moved, colocated):
         reference = colocated.get(id(slot.value))
         if reference is not None and id(reference) in moved:
             _move(slot, moved[id(reference)].device)
-    optimizer._trainable_variables_indices = {
-        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
-    }
+    _integration.reindex_optimizer(optimizer)
 
 
 def placement_report(model):

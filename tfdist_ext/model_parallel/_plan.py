@@ -1,7 +1,9 @@
 """Partition plans: which contiguous block of layers lives on which device (internal).
 
 A plan is made over the *top-level* layers of a Keras model in call order
-(nested models count as one unit). Costs are estimated statically from the
+(nested models count as one unit): a ``Sequential`` model's layers, a
+topological order of a functional model's graph, or the sub-layers of a
+subclassed model in the order it tracks them. Costs are estimated statically from the
 built model, without running it:
 
 * parameter bytes -- exact (``sum(v.size * dtype bytes)`` of the layer's
@@ -11,8 +13,10 @@ built model, without running it:
   ``Dense``, ``2*kh*kw*cin*cout*out_pixels`` for convolutions, one FLOP per
   output element for parameter-free layers); ``balance_by="flops"`` balances
   these instead, which is what matters for pipelined step time;
-* activation bytes per example of each layer's output -- what crosses a stage
-  boundary if the boundary is placed after that layer.
+* activation bytes per example that cross a stage boundary placed after each
+  layer: its output in a chain; in a functional model every tensor made at or
+  before the layer and read after it (branches, skip connections; layers are
+  in a topological order of the graph, where stages are cut).
 
 A static estimate is used rather than a profiling pass because it is
 deterministic (the same plan on every run, for save/load and for tests) and
@@ -37,7 +41,7 @@ class LayerCost:
     name: str
     param_bytes: int
     flops: int
-    activation_bytes: int
+    activation_bytes: int  # crossing a cut after this layer (all branches)
     shard_bytes: tuple = ()  # per-shard bytes for a column-split layer
 
 
@@ -70,7 +74,11 @@ class Plan:
     ``splits`` names the ``Dense`` layers the planner decided to split
     column-wise because their parameters exceed ``device_budget_bytes``
     (``{layer name: number of shards}``); :func:`apply_plan` replaces each by a
-    :class:`ColumnParallelDense` with the same weights.
+    :class:`ColumnParallelDense` with the same weights. ``partition`` says how
+    the stages were chosen: ``"balanced"``, ``"explicit"`` (a
+    ``{layer: device}`` map) or ``"filled"`` (a :class:`ModelParallelStrategy`
+    with a ``device_budget_bytes`` kept the layers where it created them,
+    filling the devices in order).
 
     Example:
       >>> plan = plan_partition(model, ["/device:CPU:0", "/device:CPU:1"])  # doctest: +SKIP
@@ -141,8 +149,9 @@ class Plan:
 
     def __str__(self):
         per_device = self.device_param_bytes
-        how = (f"balanced by {self.balance_by}" if self.partition == "balanced"
-               else "explicit map")
+        how = {"balanced": f"balanced by {self.balance_by}",
+               "filled": "devices filled in order as the layers were created"}.get(
+                   self.partition, "explicit map")
         if self.device_budget_bytes is not None:
             how += f", budget {self.device_budget_bytes:,} B/device"
         lines = [f"Plan ({how}):"]
@@ -212,8 +221,9 @@ def layer_costs(model_or_layers):
       >>> [c.param_bytes for c in costs]  # doctest: +SKIP
     """
     layers = top_level_layers(model_or_layers)
+    crossing = _crossing_bytes(model_or_layers, layers)
     costs = []
-    for layer in layers:
+    for i, layer in enumerate(layers):
         shard_bytes = ()
         if hasattr(layer, "shard_variables"):
             shard_bytes = tuple(
@@ -227,10 +237,43 @@ def layer_costs(model_or_layers):
             name=layer.name,
             param_bytes=total - sum(shard_bytes),
             flops=int(_flops(layer, _input_shape(layer), out_shape)),
-            activation_bytes=int(act),
+            activation_bytes=int(crossing[i] if crossing else act),
             shard_bytes=shard_bytes,
         ))
     return costs
+
+
+def _tensor_bytes(keras_tensor):
+    return _shape_elems(keras_tensor.shape) * _dtype_bytes(keras_tensor.dtype)
+
+
+def _crossing_bytes(model, layers):
+    """For a functional model: per example, the bytes of all tensors that cross a
+    cut placed after each layer (in the topological order of ``layers``) --
+    branches and skip connections included; ``None`` for other models."""
+    from tfdist_ext import _integration
+
+    if not _integration.is_functional(model):
+        return None
+    position = {id(layer): i for i, layer in enumerate(layers)}
+    made, last_use, size = {}, {}, {}
+    for t in model.inputs:
+        made[id(t)], size[id(t)] = -1, _tensor_bytes(t)
+    for op, node in _integration.graph_nodes(model):
+        inputs = [made.get(id(t), -1) for t in node.input_tensors]
+        # An operation that is not a layer runs where its last input is made.
+        p = position.get(id(op), max([0, *inputs]))
+        for t in node.input_tensors:
+            last_use[id(t)] = max(last_use.get(id(t), -1), p)
+        for t in node.outputs:
+            made[id(t)], size[id(t)] = p, _tensor_bytes(t)
+    for t in model.outputs:
+        last_use[id(t)] = len(layers)
+    crossing = [0] * len(layers)
+    for key, p in made.items():
+        for j in range(max(p, 0), min(last_use.get(key, p), len(layers))):
+            crossing[j] += size[key]
+    return crossing
 
 
 def top_level_layers(model_or_layers):
@@ -238,7 +281,7 @@ def top_level_layers(model_or_layers):
     import keras
 
     if isinstance(model_or_layers, keras.Model):
-        if not model_or_layers.built:
+        if not _built(model_or_layers):
             raise ValueError(
                 f"model {model_or_layers.name!r} is not built: give it an Input "
                 "(or call it once) before planning its partition"
@@ -247,6 +290,12 @@ def top_level_layers(model_or_layers):
     else:
         layers = list(model_or_layers)
     return [l for l in layers if not isinstance(l, keras.layers.InputLayer)]
+
+
+def _built(model):
+    """Whether ``model``'s variables all exist: it is built, or it is being
+    built by its first call and all its layers are (a subclassed model)."""
+    return model.built or bool(model.layers) and all(l.built for l in model.layers)
 
 
 def _check_devices(devices):

@@ -2,29 +2,44 @@
 
 Built like ``tf.distribute.OneDeviceStrategy`` (one replica, so Keras'
 ``fit``/``evaluate``/``predict`` and save/load work unchanged) with an
-extended object that overrides three hooks:
+extended object that overrides these hooks:
 
 * ``_create_variable`` (the strategy's variable creator, active inside
-  ``scope()``): a variable is created on the device of its layer when the
-  plan is already known (explicit partition), next to the variable it is a
-  slot of (``colocate_vars_with``, used by Keras optimizers), or on the first
-  device until the model is placed;
+  ``scope()``) creates each variable on its stage's device: next to the
+  variable it is a slot of (``colocate_vars_with``, used by Keras optimizers);
+  on its layer's device of an explicit partition; under a
+  ``device_budget_bytes`` on the device the budget fill reached (the devices
+  fill in order as layers are created, a layer where its first variable fits,
+  and the plan then keeps the layers there, ``plan.partition == "filled"``);
+  for a model Keras builds lazily inside ``fit``/``evaluate``/... (no
+  ``Input``), where Keras creates the variables uninitialized and initializes
+  them once the model is built, on the device of the plan made at that moment.
+  Otherwise (``"balanced"`` without a budget, model built eagerly) a balanced
+  plan needs every layer's size, which only the built model has: the variables
+  go to the first device and are moved once when the model is placed;
 * ``_update``: optimizer updates run on the updated variable's device;
-* ``Strategy.run``: when Keras hands over a model's ``train_step`` the step
-  runs as the micro-batch pipelined, stage-by-stage step of ``_pipeline``;
-  any other function runs inside ``_placement.stage_gradients`` so that its
+* ``Strategy.run``: when Keras hands over the ``train_step`` of a
+  ``Sequential`` or functional model the step runs as the micro-batch
+  pipelined, stage-by-stage step of ``_pipeline``; any other function (a
+  user's own ``train_step``, a subclassed model's step, ``evaluate`` and
+  ``predict`` steps) runs inside ``_placement.stage_gradients`` so that its
   gradient ops follow their forward ops' devices.
 
-A model is *placed* (plan made, variables moved, layer calls wrapped in
-``tf.device``) by :meth:`ModelParallelStrategy.place`, which the strategy calls
-by itself when Keras first hands it the model: Keras' ``fit``, ``evaluate``,
-``predict`` (and the ``*_on_batch`` methods) distribute their dataset with
-``experimental_distribute_dataset`` or enter ``scope()`` before building the
-optimizer and before tracing any step; ``tfdist_ext._integration`` tells the
-strategy which model's Keras method is running.
+A model is *placed* (plan made, variables moved if needed, layer calls wrapped
+in ``tf.device``) by :meth:`ModelParallelStrategy.place`, which the strategy
+calls by itself when Keras first hands it the model: Keras' ``fit``,
+``evaluate``, ``predict`` (and the ``*_on_batch`` methods) distribute their
+dataset with ``experimental_distribute_dataset`` or enter ``scope()`` before
+building the optimizer and before tracing any step;
+``tfdist_ext._integration`` tells the strategy which model's Keras method is
+running, and hands ``fit``/``train_on_batch`` to the strategy first
+(``_tfdist_fit``), which refuses there what micro-batches cannot train.
 """
 
+import dataclasses
 import functools
+import warnings
+import weakref
 
 import keras
 import tensorflow as tf
@@ -55,6 +70,16 @@ def _check_devices(devices):
 distribute_lib = _integration.distribute_lib
 
 
+def _creating_unit():
+    """The top-level layer whose variable is being created: the outermost open
+    layer scope, looking inside a subclassed model that is being built by its
+    first call (its sub-layers are the units of its plan)."""
+    stack = _integration.layer_scope_stack()
+    while len(stack) > 1 and isinstance(stack[0], keras.Model) and not stack[0].built:
+        stack = stack[1:]
+    return stack[0] if stack else None
+
+
 class ModelParallelExtended(_integration.OneDeviceExtended):
     """The ``tf.distribute.StrategyExtended`` of :class:`ModelParallelStrategy`."""
 
@@ -68,8 +93,20 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
         self._budget = device_budget_bytes
         self._split_large_layers = split_large_layers
         self._colocated = {}  # id(slot tf.Variable) -> reference tf.Variable
-        self._plans = {}  # id(model) -> Plan
+        self._plans = weakref.WeakKeyDictionary()  # model -> Plan
         self._placing = False
+        # Creation-time placement: a budget fills the devices in order.
+        self._unit_devices = weakref.WeakKeyDictionary()  # top-level layer -> device
+        self._fill_index = 0
+        self._filled_bytes = dict.fromkeys(self._devices, 0)
+        # model -> {id(keras.Variable): device}, for a model built lazily
+        self._deferred_devices = weakref.WeakKeyDictionary()
+        self._placed = weakref.WeakSet()  # models placed (plan applied)
+        self._warned = weakref.WeakSet()  # models told their train_step is not pipelined
+
+    def _restart_filling(self):
+        self._fill_index = 0
+        self._filled_bytes = dict.fromkeys(self._devices, 0)
 
     def _create_variable(self, next_creator, **kwargs):
         colocate_with = kwargs.pop("colocate_with", None)
@@ -82,14 +119,59 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
                 variable = next_creator(**kwargs)
             self._colocated[id(variable)] = colocate_with
             return variable
-        device = self._devices[0]
-        if isinstance(self._partition, dict):
-            for layer in reversed(_integration.layer_scope_stack()):
-                if layer.name in self._partition:
-                    device = str(self._partition[layer.name])
-                    break
-        with tf.device(device):
+        device = self._planned_device_of_deferred_variable(kwargs)
+        if device is None and isinstance(self._partition, dict):
+            device = self._explicit_device()
+        elif device is None and self._budget is not None and _creating_unit() is not None:
+            device, kwargs = self._filled_device(_creating_unit(), kwargs)
+        with tf.device(device or self._devices[0]):
             return next_creator(**kwargs)
+
+    def _explicit_device(self):
+        for layer in reversed(_integration.layer_scope_stack()):
+            if layer.name in self._partition:
+                return self._partition[layer.name]
+        return None
+
+    def _filled_device(self, unit, kwargs):
+        """Device for a variable of top-level layer ``unit`` under a budget: the
+        devices fill in order; a layer goes where its first variable fits
+        (the current device, else the next one) and stays there."""
+        device = self._unit_devices.get(unit, self._devices[self._fill_index])
+        value = kwargs["initial_value"]
+        if callable(value):  # its size decides the device
+            with tf.init_scope(), tf.device(device):
+                value = value()
+        value = tf.convert_to_tensor(value, dtype=kwargs.get("dtype"))
+        kwargs = {**kwargs, "initial_value": value}
+        nbytes = value.shape.num_elements() * value.dtype.size
+        if unit not in self._unit_devices:
+            used = self._filled_bytes[device]
+            if used and used + nbytes > self._budget and \
+                    self._fill_index + 1 < len(self._devices):
+                self._fill_index += 1
+                device = self._devices[self._fill_index]
+            self._unit_devices[unit] = device
+        self._filled_bytes[device] += nbytes
+        return device, kwargs
+
+    def _planned_device_of_deferred_variable(self, kwargs):
+        """For a model Keras builds lazily inside ``fit``/``evaluate``/... (its
+        variables made uninitialized, then initialized one by one once its
+        layers are built): the variable's device in the model's plan, made
+        then, before any of its variables exist."""
+        variable = _integration.variable_being_initialized()
+        model = _integration.model_in_keras_call()
+        if variable is None or model is None or kwargs.get("name") != variable.name:
+            return None
+        devices = self._deferred_devices.get(model)
+        if devices is None:
+            if model in self._plans or not _plan._built(model):
+                return None
+            plan = self._plans[model] = self._container_strategy().make_plan(model)
+            devices = self._deferred_devices[model] = _placement.variable_devices(
+                model, plan)
+        return devices.get(id(variable))
 
     def _update(self, var, fn, args, kwargs, group):
         device = getattr(var, "device", None) or self._device
@@ -127,13 +209,23 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     """Model parallelism: one model's layers partitioned over several devices.
 
     Under ``strategy.scope()`` build and compile a Keras model as usual. The
-    strategy partitions its top-level layers into contiguous stages, one per
-    device, places each layer's variables on its stage's device and wraps its
-    computation in ``tf.device``; only activations cross stage boundaries.
-    ``fit``, ``evaluate``, ``predict`` and save/load work as usual. With
-    ``microbatches > 1`` each training batch is split into micro-batches that
-    flow through the stages GPipe-style, so devices work at the same time; the
-    gradients equal the unpipelined step's.
+    strategy partitions its top-level layers (a subclassed model's sub-layers)
+    into contiguous stages, one per device, creates each layer's variables on
+    its stage's device and wraps its computation in ``tf.device``; only
+    activations cross stage boundaries. ``fit``, ``evaluate``, ``predict`` and
+    save/load work as usual. With ``microbatches > 1`` each training batch is
+    split into micro-batches that flow through the stages GPipe-style, so
+    devices work at the same time; the gradients equal the unpipelined step's.
+
+    Where variables are created: with an explicit ``partition``, on their
+    layer's device; with ``device_budget_bytes``, the devices fill in order as
+    the layers are created (a model larger than one device builds; the plan
+    keeps the layers where they were created, ``plan.partition == "filled"``);
+    a model Keras builds inside ``fit`` (no ``Input``) is planned before its
+    variables exist. A ``"balanced"`` plan without a budget needs the sizes of
+    all layers, so a model built in the scope with an ``Input`` is created on
+    the first device and moved once when ``fit`` (or ``place``) places it: give
+    a budget or a partition when the model does not fit on one device.
 
     Args:
       devices: device names in pipeline order (e.g. ``logical_cpus(2)``).
@@ -141,14 +233,21 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         then fewest boundary activation bytes) or an explicit
         ``{layer name: device}`` map (parameter-free layers may be omitted and
         follow the previous layer).
-      microbatches: micro-batches per training step (>= 1). Pipelining needs a
-        chain model (``Sequential`` or a single-path functional model).
+      microbatches: micro-batches per training step (>= 1). ``Sequential`` and
+        functional models (branches, skip connections and several inputs or
+        outputs included: stages are cut on a topological order of the layer
+        graph) are pipelined. A subclassed model with its own ``call`` cannot
+        be cut into stages: ``fit`` refuses it at once (train it with
+        ``microbatches=1``; ``evaluate``/``predict`` work either way). A model
+        that overrides ``train_step`` has its own step run as written, on
+        whole batches, with a warning (its gradients still on their stages).
       balance_by: ``"params"`` or ``"flops"`` (see :func:`plan_partition`).
-      device_budget_bytes: optional per-device parameter budget (bytes). A
-        ``Dense`` layer over it is split column-wise over as many devices as
-        needed (see ``split_large_layers``); any other layer over it, or a plan
-        over it, raises ``ValueError`` when the model is placed (before the
-        first step).
+      device_budget_bytes: optional per-device parameter budget (bytes); the
+        devices fill in order as layers are created. A ``Dense`` layer over it
+        is split column-wise over as many devices as needed (see
+        ``split_large_layers``; it is created whole, then split when the model
+        is placed); any other layer over it, or a plan over it, raises
+        ``ValueError`` when the model is placed (before the first step).
       split_large_layers: with a budget, replace a ``Dense`` layer whose
         parameters exceed it by a :class:`ColumnParallelDense` with the same
         weights, one column shard per device, variables and matmuls on the
@@ -208,11 +307,24 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     def make_plan(self, model):
         """The :class:`Plan` this strategy would use for a built ``model``.
 
+        Under a ``device_budget_bytes`` the layers of a model built in this
+        strategy's scope were created on the devices in order as they came
+        (see the class docstring): the plan keeps them there.
+
         Example:
           >>> print(strategy.make_plan(model))  # doctest: +SKIP
         """
         ext = self.extended
         devices = list(ext._devices)
+        filled = self._filled_partition(model)
+        if filled is not None:
+            try:
+                return dataclasses.replace(_plan.plan_partition(
+                    model, devices, filled, balance_by=ext._balance_by,
+                    device_budget_bytes=ext._budget,
+                    split_large_layers=ext._split_large_layers), partition="filled")
+            except ValueError:
+                pass  # e.g. column shards that fit only when spread: plan afresh
         if ext._partition == "balanced":
             n = len(_plan.top_level_layers(model))
             if len(devices) > n:
@@ -222,6 +334,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         return _plan.plan_partition(
             model, devices, ext._partition, balance_by=ext._balance_by,
             device_budget_bytes=ext._budget, split_large_layers=ext._split_large_layers)
+
+    def _filled_partition(self, model):
+        """``{layer name: device}`` where a budget filled the devices with
+        ``model``'s layers at creation, or ``None`` if they were not all
+        created that way."""
+        ext = self.extended
+        layers = [l for l in _plan.top_level_layers(model) if l.weights]
+        if ext._budget is None or ext._partition != "balanced" or not layers or \
+                any(l not in ext._unit_devices for l in layers):
+            return None
+        return {l.name: ext._unit_devices[l] for l in layers}
 
     def place(self, model):
         """Plans and places a built ``model``; returns it. Idempotent.
@@ -237,25 +360,22 @@ class ModelParallelStrategy(distribute_lib.Strategy):
           >>> print(strategy.plan)               # doctest: +SKIP
         """
         ext = self.extended
-        plan = ext._plans.get(id(model))
+        plan = ext._plans.get(model)
         if plan is None:
-            plan = self.make_plan(model)
-            if ext._microbatches > 1 and _pipeline.chain_layers(model) is None:
-                raise ValueError(
-                    f"microbatches={ext._microbatches} needs a chain model (Sequential "
-                    f"or single-path functional); model {model.name!r} is not one")
-            ext._plans[id(model)] = plan
+            plan = ext._plans[model] = self.make_plan(model)
+            ext._restart_filling()  # the next model fills the devices afresh
         _placement.apply_plan(model, plan, colocated=ext._colocated)
         for variable in model.weights:
             # The strategy now owns these variables (some may have been built
             # outside its scope): Keras' optimizer may colocate slots with them.
-            variable.value._distribute_strategy = self
+            _integration.set_variable_strategy(variable.value, self)
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not optimizer.built and hasattr(
-                optimizer, "_distribution_strategy"):
+        if optimizer is not None and not optimizer.built and \
+                _integration.optimizer_strategy(optimizer) is not None:
             # An optimizer constructed outside the scope (e.g. passed to
             # compile) would create its slots through the default strategy.
-            optimizer._distribution_strategy = self
+            _integration.set_optimizer_strategy(optimizer, self)
+        ext._placed.add(model)
         self.plan = plan
         return model
 
@@ -264,7 +384,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         if ext._placing:
             return
         model = _integration.model_in_keras_call()
-        if model is None or not model.built or id(model) in ext._plans:
+        if model is None or not model.built or model in ext._placed:
             return
         ext._placing = True
         try:
@@ -277,20 +397,53 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         self._place_calling_model()
         return super().scope()
 
+    # -- trainer hooks (see tfdist_ext._integration.install_trainer_hooks) --
+
+    def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        self._check_trainable(model)
+        return keras_fit(model, *args, **kwargs)
+
+    def _tfdist_train_on_batch(self, model, keras_train_on_batch, args, kwargs):
+        self._check_trainable(model)
+        return keras_train_on_batch(model, *args, **kwargs)
+
+    def _check_trainable(self, model):
+        """Refuses, before anything runs, what cannot be trained with micro-batches."""
+        if self.microbatches == 1:
+            return
+        overridden = _integration.overridden_step(model)
+        if overridden is not None:
+            if model not in self.extended._warned:
+                self.extended._warned.add(model)
+                warnings.warn(
+                    f"model {model.name!r} overrides train_step ({overridden.__name__}): "
+                    f"your step runs as written, on whole batches, without the "
+                    f"microbatches={self.microbatches} pipeline (its gradients still "
+                    "run on their stages' devices); to pipeline, use Keras's own "
+                    "train_step (customise compute_loss instead)", stacklevel=4)
+            return
+        problem = _pipeline.pipeline_problem(model)
+        if problem is not None:
+            raise ValueError(
+                f"microbatches={self.microbatches} cannot train {problem}. Train it with "
+                "ModelParallelStrategy(..., microbatches=1) (its sub-layers are still "
+                "placed per stage), or build it as a Sequential or functional model. "
+                "(evaluate and predict need no micro-batches and work either way.)")
+
     def run(self, fn, args=(), kwargs=None, options=None):
         """As ``tf.distribute.Strategy.run``; a model's ``train_step`` is pipelined."""
         model = getattr(fn, "__self__", None)
         if (isinstance(model, keras.Model)
                 and getattr(fn, "__name__", "") == "train_step"
                 and _integration.overridden_step(model) is None
-                and _pipeline.chain_layers(model) is not None):
-            if id(model) not in self.extended._plans:
+                and _pipeline.pipeline_problem(model) is None):
+            if model not in self.extended._placed:
                 self.place(model)
             fn = functools.partial(_pipeline.pipelined_train_step, model,
-                                   self.extended._plans[id(model)], self.microbatches)
+                                   self.extended._plans[model], self.microbatches)
         else:
-            # e.g. Keras' own train_step of a non-chain model: its tape.gradient
-            # call would put every backward op on the first device.
+            # A user's train_step, a subclassed model's, evaluate, predict:
+            # tape.gradient would put every backward op on the first device.
             fn = _with_stage_gradients(fn)
         return super().run(fn, args, kwargs, options)
 
