@@ -71,6 +71,19 @@ def _check(owner, name, *, params=()):
     return value
 
 
+def _check_source(function, text):
+    """Records a problem unless ``function``'s source contains ``text`` (an
+    attribute we read or replace that has no other handle to check)."""
+    label = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', function)}"
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        _problems.append(f"the source of {label} cannot be read")
+        return
+    if text not in source:
+        _problems.append(f"{label} no longer contains {text!r}")
+
+
 def _import(module, *names):
     """``from module import names`` as a tuple; records a problem for each that fails."""
     import importlib
@@ -150,6 +163,32 @@ if distribute_lib is not None:
 if ParameterServerStrategyV2Extended is not None:
     for _name in ("_create_variable", "_update", "_create_variable_round_robin"):
         _check(ParameterServerStrategyV2Extended, _name)
+
+# Parameter-server placement (Downpour, Sandblaster): a StrategyExtended
+# subclass replaces the one ParameterServerStrategyV2.__init__ builds
+# (see use_extended).
+if ParameterServerStrategyV2Extended is not None:
+    _check(ParameterServerStrategyV2Extended, "__init__",
+           params=("container_strategy", "cluster_resolver", "variable_partitioner"))
+    _check(ParameterServerStrategyV2Extended, "_update",
+           params=("var", "fn", "args", "kwargs", "group"))
+    _check(ParameterServerStrategyV2Extended, "_use_merge_call")
+    _check_source(ParameterServerStrategyV2.__init__,
+                  "self._extended = ParameterServerStrategyV2Extended(")
+    _check_source(ParameterServerStrategyV2Extended.__init__,
+                  "self._allow_run_without_coordinator")
+    _check_source(distribute_lib.StrategyBase.__init__,
+                  "extended._retrace_functions_for_each_device")
+
+# Downpour: the coordinator's per-worker resources and round status.
+(coordinator_lib,) = _import("tensorflow.python.distribute.coordinator", "cluster_coordinator")
+(coordinator_values,) = _import("tensorflow.python.distribute.coordinator", "values")
+if coordinator_lib is not None and coordinator_values is not None:
+    _check(coordinator_lib.Worker, "create_resource", params=("function", "args"))
+    _check_source(coordinator_lib.ClusterCoordinator.__init__, "self._cluster = Cluster(")
+    _check_source(coordinator_lib.Cluster.__init__, "self.workers = ")
+    _check_source(coordinator_values.RemoteValueImpl.__init__, "self._status = ")
+    _check_source(coordinator_values.RemoteValueImpl.__init__, "self._type_spec = ")
 if tf.data.Dataset is not None:
     _check(tf.data.Dataset, "_as_serialized_graph",
            params=("strip_device_assignment", "external_state_policy"))
@@ -335,3 +374,47 @@ def optimizer_strategy(optimizer):
 def set_optimizer_strategy(optimizer, strategy):
     """Makes an optimizer built later create its variables under ``strategy``."""
     optimizer._distribution_strategy = strategy
+
+
+# -- parameter-server placement (Downpour, Sandblaster) -------------------------
+
+def use_extended(strategy, extended):
+    """Makes a just-built ``ParameterServerStrategyV2`` use ``extended``.
+
+    ``extended`` is an instance of a ``ParameterServerStrategyV2Extended``
+    subclass built for ``strategy``. TensorFlow's ``__init__`` builds its own
+    extended object with no way to choose the class; the strategy's public
+    ``extended`` property and all of its methods read ``_extended``. Call
+    before any variable is created.
+    """
+    extended._retrace_functions_for_each_device = (
+        strategy._extended._retrace_functions_for_each_device)
+    strategy._extended = extended
+
+
+# -- Downpour: the coordinator's per-worker resources ----------------------------
+
+def coordinator_workers(coordinator):
+    """The ``Worker`` objects of a ``ClusterCoordinator``, in task order."""
+    return coordinator._cluster.workers
+
+
+def per_worker_resource(worker, function, args, type_spec):
+    """``worker.create_resource(function, args)`` whose value has ``type_spec``."""
+    remote = worker.create_resource(function, args=args)
+    if type_spec is not None:
+        remote._type_spec = type_spec
+    return remote
+
+
+def remote_value_status(remote):
+    """A scheduled function's ``RemoteValueStatus`` (without blocking)."""
+    return remote._status
+
+
+def serialized_dataset_graph(dataset):
+    """``dataset``'s graph, without device placement, to rebuild it on another task."""
+    return dataset._as_serialized_graph(
+        strip_device_assignment=True,
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+    ).numpy()

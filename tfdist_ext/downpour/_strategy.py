@@ -5,7 +5,9 @@ import math
 from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import positive_int
-from tfdist_ext.downpour import _fit
+from tfdist_ext.downpour import _schedule
+from tfdist_ext.downpour._data import SourceDataset
+from tfdist_ext.downpour._runtime import DownpourRuntime
 from tfdist_ext.downpour._stats import DownpourStats
 
 
@@ -106,15 +108,10 @@ class DownpourStrategy(ParameterServerBase):
                 )
             model_devices = list(model_devices)
         self.model_devices = model_devices
-        self.plan = None
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
         self.coordinator = _integration.ClusterCoordinator(self)
         self.stats = DownpourStats()
-        self._sources = []
-        self._per_worker_iterators = []
-        self._rounds = {}
-        self._worker_index = None
-        self._server_version = None
+        self._runtime = DownpourRuntime(self)
         _integration.install_trainer_hooks()
 
     @property
@@ -140,11 +137,16 @@ class DownpourStrategy(ParameterServerBase):
         """Local steps per scheduled round: ``lcm(n_fetch, n_push)``."""
         return math.lcm(self.n_fetch, self.n_push)
 
+    @property
+    def plan(self):
+        """The ``model_devices`` partition of the latest model ``fit`` (``None`` without)."""
+        return self._runtime.plan
+
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
-        return _fit.downpour_fit(model, self, keras_fit, *args, **kwargs)
+        return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
 
     def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
-        return _fit.epoch_logs(model, logs, keras_epoch_logs)
+        return _schedule.epoch_logs(model, logs, keras_epoch_logs)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.
@@ -153,7 +155,7 @@ class DownpourStrategy(ParameterServerBase):
         each worker gets its own shard (``dataset.shard(num_workers, i)``,
         repeated) built on the worker.
         """
-        return _fit.SourceDataset(dataset, self)
+        return SourceDataset(dataset, self._runtime)
 
     def get_config(self):
         """The strategy's knobs (not the cluster) as a dict."""
