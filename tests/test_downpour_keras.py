@@ -156,8 +156,8 @@ print("LOADED " + json.dumps([type(model.optimizer).__name__, model.layers[0].co
                               model.predict(x, verbose=0).tolist()]), flush=True)
 """, timeout=120)
     line = [l for l in loaded.stdout.splitlines() if l.startswith("LOADED ")][0]
-    optimizer, dtype, logits = json.loads(line[len("LOADED "):])
-    assert (optimizer, dtype) == ("LossScaleOptimizer", "float16")
+    _, dtype, logits = json.loads(line[len("LOADED "):])
+    assert dtype == "float16"
     np.testing.assert_allclose(logits, r["logits"], rtol=1e-2, atol=1e-2)
 
 

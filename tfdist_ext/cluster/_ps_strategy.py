@@ -135,6 +135,9 @@ class PlacementExtended(_PSSV2Extended):
 
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
+        # What the public `strategy.cluster_resolver` returns (TensorFlow's
+        # parameter-server extended object leaves it unset: None).
+        self._cluster_resolver = cluster_resolver
         self._ps_bytes = [0] * self._num_ps
         self._placement_lock = threading.Lock()
         self._allow_run_without_coordinator = True
