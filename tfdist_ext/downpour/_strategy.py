@@ -36,6 +36,26 @@ class DownpourStrategy(ParameterServerBase):
     ``rejected_pushes`` and bytes per step in the logs and ``History``;
     ``strategy.stats`` keeps every staleness value.
 
+    ``optimizer.iterations`` counts training steps (batches), as in plain
+    Keras: each push advances it by the number of local steps it carries,
+    so a ``LearningRateSchedule`` written in steps means what it means
+    without the strategy (the rate of a push is the schedule's at the step
+    the push starts from: exact to within ``n_push`` steps). Concurrent
+    pushes may overlap in Keras's own increment during an epoch; at each
+    epoch's end it is set to the exact number of steps the server applied.
+
+    The model's loss is Keras's: the compiled loss, or the model's
+    ``compute_loss`` override, runs on the workers. A model that overrides
+    ``train_step`` is refused when ``fit`` starts (Downpour runs its own
+    step on each worker's local copy of the parameters, so the override
+    could not run as written); put the custom loss in ``compute_loss``.
+    Mixed precision works: under ``mixed_float16`` each local step scales
+    its loss by the ``LossScaleOptimizer``'s current scale and unscales its
+    gradients, the push is applied through the inner optimizer, and the
+    server halves the scale on a non-finite push (skipped, and counted in
+    ``rejected_pushes`` without a warning, as Keras skips it silently) and
+    doubles it after ``dynamic_growth_steps`` accepted ones.
+
     Dispatch, worker-failure handling and variable placement are TensorFlow's
     own: the strategy extends ``ParameterServerStrategy`` and schedules each
     round of local steps with ``ClusterCoordinator``. A killed worker loses
@@ -76,7 +96,6 @@ class DownpourStrategy(ParameterServerBase):
       ...     model.fit(train_ds, epochs=5, steps_per_epoch=200)
     """
 
-    _is_downpour = True
     _owner = "DownpourStrategy"
 
     def __init__(
