@@ -28,6 +28,9 @@ What we rely on, and why no public API does it:
 * ``Trainer._compute_loss``, ``_loss_tracker``, ``_compile_metrics``,
   ``Layer._call_has_training_arg``: what Keras's own ``train_step`` uses to
   compute the loss and metrics exactly as ``fit`` would.
+* ``ParameterServerStrategyV2Extended``: Downpour and Sandblaster place
+  variables through a subclass of it, which :func:`use_extended` installs
+  in place of the one TensorFlow's ``__init__`` builds.
 * TensorFlow's parameter-server strategy, ``ShardedVariable``, the
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
@@ -163,11 +166,14 @@ if distribute_lib is not None:
 if ParameterServerStrategyV2Extended is not None:
     for _name in ("_create_variable", "_update", "_create_variable_round_robin"):
         _check(ParameterServerStrategyV2Extended, _name)
+if tf.data.Dataset is not None:
+    _check(tf.data.Dataset, "_as_serialized_graph",
+           params=("strip_device_assignment", "external_state_policy"))
 
 # Parameter-server placement (Downpour, Sandblaster): a StrategyExtended
 # subclass replaces the one ParameterServerStrategyV2.__init__ builds
 # (see use_extended).
-if ParameterServerStrategyV2Extended is not None:
+if ParameterServerStrategyV2Extended is not None and distribute_lib is not None:
     _check(ParameterServerStrategyV2Extended, "__init__",
            params=("container_strategy", "cluster_resolver", "variable_partitioner"))
     _check(ParameterServerStrategyV2Extended, "_update",
@@ -189,9 +195,6 @@ if coordinator_lib is not None and coordinator_values is not None:
     _check_source(coordinator_lib.Cluster.__init__, "self.workers = ")
     _check_source(coordinator_values.RemoteValueImpl.__init__, "self._status = ")
     _check_source(coordinator_values.RemoteValueImpl.__init__, "self._type_spec = ")
-if tf.data.Dataset is not None:
-    _check(tf.data.Dataset, "_as_serialized_graph",
-           params=("strip_device_assignment", "external_state_policy"))
 
 if _problems:
     raise ImportError(
