@@ -129,6 +129,8 @@ if TensorFlowTrainer is not None:
     _check(TensorFlowTrainer, "get_metrics_result")
 if TFOptimizer is not None:
     _check(TFOptimizer, "_all_reduce_sum_gradients", params=("grads_and_vars",))
+_check(keras.optimizers.Optimizer, "apply", params=("grads", "trainable_variables"))
+_check(keras.optimizers.LossScaleOptimizer, "apply", params=("grads", "trainable_variables"))
 if global_state is not None:
     _check(global_state, "get_global_attribute")
 
@@ -333,6 +335,8 @@ def install_optimizer_hooks():
     """Routes Keras's gradient all-reduce and optimizer ``build`` to the strategy (idempotent).
 
     An optimizer whose strategy defines
+    ``_tfdist_apply(optimizer, grads, variables, keras_apply)`` has its
+    ``apply`` (and so ``apply_gradients``) handed to it. One whose strategy defines
     ``_tfdist_all_reduce_sum_gradients(optimizer, grads_and_vars)`` has its
     replica-context gradient sum done there; one whose strategy defines
     ``_tfdist_build_optimizer(optimizer, variables)`` has it called before the
@@ -366,7 +370,24 @@ def install_optimizer_hooks():
             return super(TFOptimizer, self).build(variables)
 
         TFOptimizer.build = build
+        for cls in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
+            _wrap_apply(cls)
         _OPTIMIZER_HOOKED = True
+
+
+def _wrap_apply(cls):
+    """``cls.apply`` goes to ``strategy._tfdist_apply(optimizer, grads,
+    variables, keras_apply)`` when the optimizer's strategy defines it."""
+    original = cls.apply
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        handler = getattr(optimizer_strategy(self), "_tfdist_apply", None)
+        if handler is not None:
+            return handler(self, grads, trainable_variables, original)
+        return original(self, grads, trainable_variables)
+
+    cls.apply = apply
 
 
 def optimizer_strategy(optimizer):

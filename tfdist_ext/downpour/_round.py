@@ -19,6 +19,8 @@ scale grows or halves on the server exactly as ``LossScaleOptimizer`` does
 for accepted and rejected (non-finite) updates.
 """
 
+import contextvars
+
 import keras
 import tensorflow as tf
 
@@ -56,10 +58,13 @@ def build_round(model, strategy, version):
     param_bytes = sum(nbytes(v) for v in trainable)
     nt_bytes = sum(nbytes(v) for v in non_trainable)
 
-    def fetch():
+    def keras_fetch():
+        """The local copy of the parameters and the server version it is from."""
         return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
 
-    def local_step(params, x, y, sample_weight):
+    def keras_step(params, data):
+        """Keras's step on the local copy ``params``: the gradients."""
+        x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
         scale = loss_scale.read()
         with tf.GradientTape() as tape:
             tape.watch(params)
@@ -83,6 +88,24 @@ def build_round(model, strategy, version):
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads
 
+    def version_only():
+        """The user's step reads the parameters itself: only the version."""
+        return [], version.read_value()
+
+    def user_step(params, data):
+        """The user's ``train_step``; its ``optimizer.apply`` gives the gradients."""
+        with GradientCollector(model, trainable) as collector:
+            model.train_step(data)
+        return collector.gradients()
+
+    owner = _integration.overridden_step(model, "train_step")
+    if owner is None:
+        fetch, step = keras_fetch, keras_step
+    else:
+        # The user's step reads the variables where they live (n_fetch is 1).
+        _check_unsplit(trainable, owner)
+        fetch, step = version_only, user_step
+
     push, state_vars = make_push(strategy, loss_scale.target(optimizer), trainable,
                                  param_bytes, loss_scale)
 
@@ -91,7 +114,7 @@ def build_round(model, strategy, version):
         state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
         sent = tf.constant(0, tf.int64)
         params, fetched = fetch()
-        accum = [tf.zeros_like(p) for p in params]
+        accum = [tf.zeros(v.shape, v.dtype) for v in trainable]
         fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
         rejected = tf.constant(0, tf.int64)
@@ -102,9 +125,7 @@ def build_round(model, strategy, version):
             if i > 0 and i % n_fetch == 0:
                 params, fetched = fetch()
                 fetches += 1
-            data = next(iterator)
-            x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
-            grads = strategy.run(local_step, args=(params, x, y, sample_weight))
+            grads = strategy.run(step, args=(params, next(iterator)))
             accum = [a + g for a, g in zip(accum, grads)]
             carried += 1
             if (i + 1) % n_push == 0 or i + 1 == num_steps:
@@ -139,6 +160,88 @@ def build_round(model, strategy, version):
         }
 
     return round_fn
+
+
+def _check_unsplit(trainable, owner):
+    split = [v.path for v in trainable if isinstance(v.value, _integration.ShardedVariable)]
+    if split:
+        raise ValueError(
+            f"DownpourStrategy: {owner.__name__}.train_step cannot differentiate "
+            f"{', '.join(split)}: split across the ps tasks (min_shard_bytes), it has no "
+            "single handle for a GradientTape. Raise min_shard_bytes above the largest "
+            "weight's size, or put the custom loss in compute_loss instead of train_step."
+        )
+
+
+class GradientCollector:
+    """Where a user's ``train_step`` hands its gradients to Downpour.
+
+    Horovod's ``DistributedOptimizer`` idea: while a worker traces the
+    user's step, ``self.optimizer.apply_gradients(...)``/``apply(...)`` of
+    the model's optimizer does not update anything; the gradients are
+    collected here (unscaled by the loss scale under ``mixed_float16``, as
+    ``LossScaleOptimizer.apply`` would) and the round accumulates and pushes
+    them every ``n_push`` steps. ``DownpourStrategy._tfdist_apply`` receives
+    the calls (see ``tfdist_ext._integration.install_optimizer_hooks``).
+    """
+
+    _active = contextvars.ContextVar("downpour_gradient_collector", default=None)
+
+    def __init__(self, model, trainable):
+        self._model = model
+        self._trainable = trainable
+        self._index = {id(v): i for i, v in enumerate(trainable)}
+        self._grads = [None] * len(trainable)
+        self._applied = False
+        self._token = None
+
+    @classmethod
+    def active(cls):
+        """The collector of the step being traced in this thread, or ``None``."""
+        return cls._active.get()
+
+    def __enter__(self):
+        self._token = self._active.set(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._active.reset(self._token)
+
+    def add(self, optimizer, grads, variables):
+        """Takes ``optimizer.apply(grads, variables)`` of the user's step."""
+        name = type(self._model).__name__
+        if optimizer is not self._model.optimizer:
+            raise ValueError(
+                f"DownpourStrategy: {name}.train_step applied an optimizer other than "
+                "the model's compiled one; Downpour applies model.optimizer on the "
+                "parameter servers: call self.optimizer.apply_gradients(...)")
+        scale = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
+        variables = self._trainable if variables is None else list(variables)
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            i = self._index.get(id(v))
+            if i is None:
+                raise ValueError(
+                    f"DownpourStrategy: {name}.train_step applied a gradient to "
+                    f"{getattr(v, 'path', v)!r}, which is not a trainable weight of the model")
+            g = tf.convert_to_tensor(g)
+            if scale is not None:
+                g = g / tf.cast(scale, g.dtype)
+            self._grads[i] = g if self._grads[i] is None else self._grads[i] + g
+        self._applied = True
+
+    def gradients(self):
+        """The step's gradient of every trainable weight (zeros where it gave none)."""
+        if not self._applied:
+            raise ValueError(
+                f"DownpourStrategy: {type(self._model).__name__}.train_step did not call "
+                "self.optimizer.apply_gradients(...) (or apply): Downpour pushes the "
+                "gradients given there, so nothing would be trained")
+        return [tf.zeros(v.shape, v.dtype) if g is None else g
+                for g, v in zip(self._grads, self._trainable)]
 
 
 def _built_optimizer(model, strategy):

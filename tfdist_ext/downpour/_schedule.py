@@ -32,7 +32,7 @@ from tfdist_ext.cluster._local import ping
 
 def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     """``model.fit(*args, **kwargs)`` under ``strategy`` (Keras's loop, Downpour's step)."""
-    _refuse_custom_train_step(model)
+    _check_custom_train_step(model, strategy)
     _adopt_optimizer(model, strategy)
     train_function = TrainFunction(model, strategy, runtime)
     model.train_function = train_function
@@ -54,18 +54,17 @@ def epoch_logs(model, logs, keras_epoch_logs):
     return keras_epoch_logs(model, logs)
 
 
-def _refuse_custom_train_step(model):
+def _check_custom_train_step(model, strategy):
+    """A user's ``train_step`` runs on the workers reading the server's variables."""
     owner = _integration.overridden_step(model, "train_step")
-    if owner is not None:
+    if owner is not None and strategy.n_fetch != 1:
         raise ValueError(
-            f"DownpourStrategy: {owner.__name__} overrides train_step, which Downpour "
-            "cannot run as written: each worker runs Downpour's own step on its local "
-            "copy of the parameters and pushes accumulated gradients to the parameter "
-            "servers every n_push steps, so your train_step would be skipped. Put the "
-            "custom loss in a compute_loss override instead (Downpour runs it on the "
-            "workers) and the metrics in compile(metrics=...), or train this model "
-            "with a synchronous strategy that runs train_step as written (e.g. "
-            "tf.distribute.MirroredStrategy or tfdist_ext.CompressedMirroredStrategy)."
+            f"DownpourStrategy: {owner.__name__} overrides train_step, which runs on the "
+            "workers reading the model's variables where they live, on the parameter "
+            f"servers, at every step; it cannot keep a local copy for n_fetch="
+            f"{strategy.n_fetch} steps. Set n_fetch=1 (n_push may stay "
+            f"{strategy.n_push}), or put the custom loss in a compute_loss override "
+            "instead of train_step (Downpour's own step then keeps the local copy)."
         )
 
 

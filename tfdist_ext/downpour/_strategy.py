@@ -5,6 +5,7 @@ import math
 from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import positive_int
+from tfdist_ext.downpour import _round
 from tfdist_ext.downpour import _schedule
 from tfdist_ext.downpour._data import SourceDataset
 from tfdist_ext.downpour._runtime import DownpourRuntime
@@ -132,6 +133,7 @@ class DownpourStrategy(ParameterServerBase):
         self.stats = DownpourStats()
         self._runtime = DownpourRuntime(self)
         _integration.install_trainer_hooks()
+        _integration.install_optimizer_hooks()
 
     @property
     def n_fetch(self):
@@ -163,6 +165,12 @@ class DownpourStrategy(ParameterServerBase):
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
+
+    def _tfdist_apply(self, optimizer, grads, variables, keras_apply):
+        collector = _round.GradientCollector.active()
+        if collector is None:
+            return keras_apply(optimizer, grads, variables)
+        return collector.add(optimizer, grads, variables)
 
     def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
         return _schedule.epoch_logs(model, logs, keras_epoch_logs)
