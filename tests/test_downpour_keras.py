@@ -84,24 +84,30 @@ class OwnStep(keras.Sequential):
 def test_downpour_runs_custom_train_step_on_the_workers(script):
     proc = script(PRELUDE + OWN_STEP + """
 keras.utils.set_random_seed(0)
-with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=3)
-    with strategy.scope():
-        model = OwnStep(layers())
-        model.compile(optimizer=keras.optimizers.Adagrad(0.05))
+def refusal(model):
     started = time.monotonic()
     try:
         model.fit(digits_train(), epochs=1, steps_per_epoch=10, verbose=0)
-        refusal = None
     except ValueError as e:
-        refusal = str(e)
-    refused_in = time.monotonic() - started
+        return str(e), time.monotonic() - started
+    return None, time.monotonic() - started
+
+with LocalCluster(num_workers=2, num_ps=2) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=3,
+                                           min_shard_bytes=8 << 10)
+    with strategy.scope():
+        model = OwnStep(layers(16))
+        model.compile(optimizer=keras.optimizers.Adagrad(0.05))
+        split = OwnStep(layers(128))    # a 32 KiB kernel, split over both ps
+        split.compile(optimizer=keras.optimizers.Adagrad(0.05))
+    fetch_refusal, refused_in = refusal(model)
     untouched = float(model.steps_run.result())
     strategy.n_fetch = 1
+    split_refusal, _ = refusal(split)
     h = model.fit(digits_train(), epochs=3, steps_per_epoch=30, verbose=0)
     s = strategy.stats.summary()
-    report(refusal=refusal, refused_in=refused_in, untouched=untouched, history=h.history,
-           steps=s["steps"], pushes=s["pushes"],
+    report(refusal=fetch_refusal, split_refusal=split_refusal, refused_in=refused_in,
+           untouched=untouched, history=h.history, steps=s["steps"], pushes=s["pushes"],
            iterations=int(model.optimizer.iterations.numpy()))
 """, timeout=280)
     r = _result(proc)
@@ -109,6 +115,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # refused before any round, saying what to do.
     assert r["refusal"] and "train_step" in r["refusal"] and "n_fetch=1" in r["refusal"]
     assert r["untouched"] == 0 and r["refused_in"] < 30
+    # A weight split across ps tasks has no handle for the user's tape: refused.
+    assert r["split_refusal"] and "min_shard_bytes" in r["split_refusal"]
     # With n_fetch=1 the user's own step runs on the workers: its loss (the
     # only loss; none is compiled) falls, and its metrics count its steps
     # (Keras's read-then-write increments may overlap across workers).

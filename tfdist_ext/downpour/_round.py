@@ -10,6 +10,11 @@ Round boundaries fall exactly where both a fetch and a push are due, so no
 state has to live on the worker between rounds: a lost worker loses only
 the gradients of its round in flight.
 
+A model that overrides ``train_step`` has that step run instead, on the
+server's variables (it reads them itself: ``n_fetch`` is 1); the gradients
+it passes to ``self.optimizer.apply_gradients`` are taken by a
+:class:`GradientCollector` and accumulated and pushed like Downpour's own.
+
 Each push advances ``optimizer.iterations`` by the number of local steps it
 carries, so that learning-rate schedules count training steps (batches) as
 in plain Keras. Under ``mixed_float16`` (a ``LossScaleOptimizer``) each local

@@ -47,9 +47,14 @@ class DownpourStrategy(ParameterServerBase):
 
     The model's loss is Keras's: the compiled loss, or the model's
     ``compute_loss`` override, runs on the workers. A model that overrides
-    ``train_step`` is refused when ``fit`` starts (Downpour runs its own
-    step on each worker's local copy of the parameters, so the override
-    could not run as written); put the custom loss in ``compute_loss``.
+    ``train_step`` has its own step run on the workers (with ``n_fetch=1``,
+    checked when ``fit`` starts): the step reads the model's variables where
+    they live, on the ``ps`` tasks, and its ``self.optimizer.apply_gradients``
+    (or ``apply``) call is where Downpour takes the gradients, accumulating
+    them and pushing every ``n_push`` steps instead of updating (Horovod's
+    ``DistributedOptimizer`` idea). Its weights must not be split across
+    ``ps`` tasks (raise ``min_shard_bytes``).
+
     Mixed precision works: under ``mixed_float16`` each local step scales
     its loss by the ``LossScaleOptimizer``'s current scale and unscales its
     gradients, the push is applied through the inner optimizer, and the
