@@ -195,7 +195,17 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     logits = model.predict(x_test, verbose=0)
     model.save({path!r})
     np.save({str(tmp_path / 'x.npy')!r}, x_test[:5])
-    report(loss=h.history["loss"], accuracy=float((logits.argmax(1) == y_test).mean()),
+    # A custom train_step (here Keras's own, via super(): scale_loss, then
+    # apply_gradients of the LossScaleOptimizer) trains under mixed_float16 too.
+    strategy.n_fetch = 1
+    with strategy.scope():
+        custom = CountingStep(layers(64))
+        custom.compile(optimizer=keras.optimizers.Adagrad(0.05),
+                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    custom_h = custom.fit(digits_train(), epochs=3, steps_per_epoch=40, verbose=0)
+    report(custom_loss=custom_h.history["loss"], custom_traced=CountingStep.steps,
+           custom_scale=float(custom.optimizer.dynamic_scale.numpy()),
+           loss=h.history["loss"], accuracy=float((logits.argmax(1) == y_test).mean()),
            compute_dtype=model.layers[0].compute_dtype, scale=scale,
            optimizer=type(model.optimizer).__name__,
            iterations=int(model.optimizer.iterations.numpy()), logits=logits[:5].tolist())
@@ -205,6 +215,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     assert r["loss"][-1] < r["loss"][0] and r["accuracy"] > 0.8
     assert 1.0 <= r["scale"] <= 2.0 ** 15
     assert r["iterations"] == 120
+    assert r["custom_traced"] > 0 and r["custom_loss"][-1] < r["custom_loss"][0]
+    assert 1.0 <= r["custom_scale"] <= 2.0 ** 15
     # A fresh process without tfdist_ext loads it and predicts the same.
     loaded = script(f"""
 import json, numpy as np, keras
