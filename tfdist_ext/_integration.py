@@ -35,6 +35,9 @@ What we rely on, and why no public API does it:
   create each on its stage's device; ``KerasVariable._value``,
   ``tf.Variable._distribute_strategy`` and the optimizer's slot index, to move
   a variable a plan places elsewhere.
+* ``ParameterServerStrategyV2Extended``: Downpour and Sandblaster place
+  variables through a subclass of it, which :func:`use_extended` installs
+  in place of the one TensorFlow's ``__init__`` builds.
 * TensorFlow's parameter-server strategy, ``ShardedVariable``, the
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
@@ -76,6 +79,19 @@ def _check(owner, name, *, params=()):
         if missing:
             _problems.append(f"{label} no longer takes {', '.join(missing)}")
     return value
+
+
+def _check_source(function, text):
+    """Records a problem unless ``function``'s source contains ``text`` (an
+    attribute we read or replace that has no other handle to check)."""
+    label = f"{getattr(function, '__module__', '')}.{getattr(function, '__qualname__', function)}"
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        _problems.append(f"the source of {label} cannot be read")
+        return
+    if text not in source:
+        _problems.append(f"{label} no longer contains {text!r}")
 
 
 def _import(module, *names):
@@ -132,6 +148,8 @@ if TensorFlowTrainer is not None:
     _check(TensorFlowTrainer, "get_metrics_result")
 if TFOptimizer is not None:
     _check(TFOptimizer, "_all_reduce_sum_gradients", params=("grads_and_vars",))
+_check(keras.optimizers.Optimizer, "apply", params=("grads", "trainable_variables"))
+_check(keras.optimizers.LossScaleOptimizer, "apply", params=("grads", "trainable_variables"))
 if global_state is not None:
     _check(global_state, "get_global_attribute")
 
@@ -205,6 +223,32 @@ if tf.data.Dataset is not None:
                                   "BaseResourceVariable")
 if BaseResourceVariable is not None:
     _check_sets(BaseResourceVariable, "__init__", "_distribute_strategy")
+
+# Parameter-server placement (Downpour, Sandblaster): a StrategyExtended
+# subclass replaces the one ParameterServerStrategyV2.__init__ builds
+# (see use_extended).
+if ParameterServerStrategyV2Extended is not None and distribute_lib is not None:
+    _check(ParameterServerStrategyV2Extended, "__init__",
+           params=("container_strategy", "cluster_resolver", "variable_partitioner"))
+    _check(ParameterServerStrategyV2Extended, "_update",
+           params=("var", "fn", "args", "kwargs", "group"))
+    _check(ParameterServerStrategyV2Extended, "_use_merge_call")
+    _check_source(ParameterServerStrategyV2.__init__,
+                  "self._extended = ParameterServerStrategyV2Extended(")
+    _check_source(ParameterServerStrategyV2Extended.__init__,
+                  "self._allow_run_without_coordinator")
+    _check_source(distribute_lib.StrategyBase.__init__,
+                  "extended._retrace_functions_for_each_device")
+
+# Downpour: the coordinator's per-worker resources and round status.
+(coordinator_lib,) = _import("tensorflow.python.distribute.coordinator", "cluster_coordinator")
+(coordinator_values,) = _import("tensorflow.python.distribute.coordinator", "values")
+if coordinator_lib is not None and coordinator_values is not None:
+    _check(coordinator_lib.Worker, "create_resource", params=("function", "args"))
+    _check_source(coordinator_lib.ClusterCoordinator.__init__, "self._cluster = Cluster(")
+    _check_source(coordinator_lib.Cluster.__init__, "self.workers = ")
+    _check_source(coordinator_values.RemoteValueImpl.__init__, "self._status = ")
+    _check_source(coordinator_values.RemoteValueImpl.__init__, "self._type_spec = ")
 
 if _problems:
     raise ImportError(
@@ -403,6 +447,8 @@ def install_optimizer_hooks():
     """Routes Keras's gradient all-reduce and optimizer ``build`` to the strategy (idempotent).
 
     An optimizer whose strategy defines
+    ``_tfdist_apply(optimizer, grads, variables, keras_apply)`` has its
+    ``apply`` (and so ``apply_gradients``) handed to it. One whose strategy defines
     ``_tfdist_all_reduce_sum_gradients(optimizer, grads_and_vars)`` has its
     replica-context gradient sum done there; one whose strategy defines
     ``_tfdist_build_optimizer(optimizer, variables)`` has it called before the
@@ -436,7 +482,24 @@ def install_optimizer_hooks():
             return super(TFOptimizer, self).build(variables)
 
         TFOptimizer.build = build
+        for cls in (keras.optimizers.Optimizer, keras.optimizers.LossScaleOptimizer):
+            _wrap_apply(cls)
         _OPTIMIZER_HOOKED = True
+
+
+def _wrap_apply(cls):
+    """``cls.apply`` goes to ``strategy._tfdist_apply(optimizer, grads,
+    variables, keras_apply)`` when the optimizer's strategy defines it."""
+    original = cls.apply
+
+    @functools.wraps(original)
+    def apply(self, grads, trainable_variables=None):
+        handler = getattr(optimizer_strategy(self), "_tfdist_apply", None)
+        if handler is not None:
+            return handler(self, grads, trainable_variables, original)
+        return original(self, grads, trainable_variables)
+
+    cls.apply = apply
 
 
 def optimizer_strategy(optimizer):
@@ -447,3 +510,47 @@ def optimizer_strategy(optimizer):
 def set_optimizer_strategy(optimizer, strategy):
     """Makes an optimizer built later create its variables under ``strategy``."""
     optimizer._distribution_strategy = strategy
+
+
+# -- parameter-server placement (Downpour, Sandblaster) -------------------------
+
+def use_extended(strategy, extended):
+    """Makes a just-built ``ParameterServerStrategyV2`` use ``extended``.
+
+    ``extended`` is an instance of a ``ParameterServerStrategyV2Extended``
+    subclass built for ``strategy``. TensorFlow's ``__init__`` builds its own
+    extended object with no way to choose the class; the strategy's public
+    ``extended`` property and all of its methods read ``_extended``. Call
+    before any variable is created.
+    """
+    extended._retrace_functions_for_each_device = (
+        strategy._extended._retrace_functions_for_each_device)
+    strategy._extended = extended
+
+
+# -- Downpour: the coordinator's per-worker resources ----------------------------
+
+def coordinator_workers(coordinator):
+    """The ``Worker`` objects of a ``ClusterCoordinator``, in task order."""
+    return coordinator._cluster.workers
+
+
+def per_worker_resource(worker, function, args, type_spec):
+    """``worker.create_resource(function, args)`` whose value has ``type_spec``."""
+    remote = worker.create_resource(function, args=args)
+    if type_spec is not None:
+        remote._type_spec = type_spec
+    return remote
+
+
+def remote_value_status(remote):
+    """A scheduled function's ``RemoteValueStatus`` (without blocking)."""
+    return remote._status
+
+
+def serialized_dataset_graph(dataset):
+    """``dataset``'s graph, without device placement, to rebuild it on another task."""
+    return dataset._as_serialized_graph(
+        strip_device_assignment=True,
+        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
+    ).numpy()

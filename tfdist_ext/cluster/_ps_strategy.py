@@ -11,7 +11,6 @@ error, not a hang). Importing this module imports TensorFlow.
 """
 
 import threading
-import types
 
 import numpy as np
 import tensorflow as tf
@@ -73,19 +72,7 @@ class ParameterServerBase(_PSSV2):
                 min_shard_bytes=self.min_shard_bytes, max_shards=num_ps
             )
         super().__init__(cluster_resolver, variable_partitioner=partitioner)
-        self._ps_bytes = [0] * num_ps
-        self._placement_lock = threading.Lock()
-        extended = self._extended
-        extended._create_variable_round_robin = types.MethodType(_create_variable_balanced, self)
-        # Keras evaluates and predicts on the chief (this process); that is
-        # not a mistake worth a warning at every trace.
-        extended._allow_run_without_coordinator = True
-        # Updates are applied from a cross-replica context without
-        # merge_call; Keras's optimizer then calls extended.update per
-        # variable, which runs on the variable's ps task.
-        extended._use_merge_call = lambda: False
-        extended._update = types.MethodType(_update_sharded_aware, extended)
-        extended._create_variable = types.MethodType(_create_variable_sharded_slots, extended)
+        _integration.use_extended(self, PlacementExtended(self, cluster_resolver, partitioner))
         _make_sharded_variables_readable()
 
     @property
@@ -100,7 +87,7 @@ class ParameterServerBase(_PSSV2):
 
     def shard_bytes(self):
         """Bytes of variables placed whole on each ``ps`` shard so far."""
-        return list(self._ps_bytes)
+        return self.extended.shard_bytes()
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` unchanged: Keras ``evaluate``/``predict`` iterate it on the chief."""
@@ -132,45 +119,64 @@ def variable_bytes(kwargs):
     return value.shape.num_elements() * value.dtype.size
 
 
-def _create_variable_balanced(strategy, next_creator, **kwargs):
-    """Places a whole variable on the ``ps`` shard holding the fewest bytes."""
-    with strategy._placement_lock:
-        index = min(range(len(strategy._ps_bytes)), key=strategy._ps_bytes.__getitem__)
-        strategy._ps_bytes[index] += variable_bytes(kwargs)
-    with _integration.colocate_with(None, ignore_existing=True):
-        with tf.device(f"/job:ps/task:{index}/device:CPU:0"):
-            return next_creator(**kwargs)
+class PlacementExtended(_PSSV2Extended):
+    """TensorFlow's ``ParameterServerStrategyV2Extended`` with the placement both algorithms need.
 
-
-_keras_update = _PSSV2Extended._update
-
-
-def _update_sharded_aware(extended, var, fn, args, kwargs, group):
-    """``extended.update`` that also takes a variable split across ``ps`` shards.
-
-    A whole variable is updated on the ``ps`` task that owns it (TensorFlow's
-    colocation). A split (``ShardedVariable``) one cannot be colocated: its
-    update is computed where the caller runs and written back shard by shard.
+    * Whole variables go to the ``ps`` shard holding the fewest bytes
+      (TensorFlow's default is round robin by count).
+    * Optimizer slots of a split variable are split the same way.
+    * ``update`` also takes a split (``ShardedVariable``) variable.
+    * Updates are applied from a cross-replica context without
+      ``merge_call``; Keras's optimizer then calls ``update`` per variable,
+      which runs on the variable's ``ps`` task.
+    * Keras evaluates and predicts on the chief (this process) without a
+      coordinator; that is not a mistake worth a warning at every trace.
     """
-    if isinstance(var, _integration.ShardedVariable):
-        with _integration.distribute_lib.UpdateContext(var.variables[0].device):
-            return fn(var, *args, **kwargs)
-    return _keras_update(extended, var, fn, args, kwargs, group)
 
+    def __init__(self, container_strategy, cluster_resolver, variable_partitioner):
+        super().__init__(container_strategy, cluster_resolver, variable_partitioner)
+        # What the public `strategy.cluster_resolver` returns (TensorFlow's
+        # parameter-server extended object leaves it unset: None).
+        self._cluster_resolver = cluster_resolver
+        self._ps_bytes = [0] * self._num_ps
+        self._placement_lock = threading.Lock()
+        self._allow_run_without_coordinator = True
 
-_pss_create_variable = _PSSV2Extended._create_variable
+    def shard_bytes(self):
+        """Bytes of variables placed whole on each ``ps`` shard so far."""
+        with self._placement_lock:
+            return list(self._ps_bytes)
 
+    def _use_merge_call(self):
+        return False
 
-def _create_variable_sharded_slots(extended, next_creator, **kwargs):
-    """Optimizer slots of a split variable are split the same way.
+    def _create_variable_round_robin(self, next_creator, **kwargs):
+        """Places a whole variable on the ``ps`` shard holding the fewest bytes."""
+        with self._placement_lock:
+            index = min(range(len(self._ps_bytes)), key=self._ps_bytes.__getitem__)
+            self._ps_bytes[index] += variable_bytes(kwargs)
+        with _integration.colocate_with(None, ignore_existing=True):
+            with tf.device(f"/job:ps/task:{index}/device:CPU:0"):
+                return next_creator(**kwargs)
 
-    Keras creates a slot "colocated" with its variable; a ``ShardedVariable``
-    cannot be colocated with, so the slot goes through the partitioner
-    instead, which splits it like the variable across the ``ps`` tasks.
-    """
-    if isinstance(kwargs.get("colocate_with"), _integration.ShardedVariable):
-        kwargs.pop("colocate_with")
-    return _pss_create_variable(extended, next_creator, **kwargs)
+    def _update(self, var, fn, args, kwargs, group):
+        """A whole variable is updated on the ``ps`` task that owns it
+        (TensorFlow's colocation). A split (``ShardedVariable``) one cannot be
+        colocated: its update is computed where the caller runs and written
+        back shard by shard."""
+        if isinstance(var, _integration.ShardedVariable):
+            with _integration.distribute_lib.UpdateContext(var.variables[0].device):
+                return fn(var, *args, **kwargs)
+        return super()._update(var, fn, args, kwargs, group)
+
+    def _create_variable(self, next_creator, **kwargs):
+        """Keras creates a slot "colocated" with its variable; a
+        ``ShardedVariable`` cannot be colocated with, so the slot of a split
+        variable goes through the partitioner instead, which splits it like
+        the variable across the ``ps`` tasks."""
+        if isinstance(kwargs.get("colocate_with"), _integration.ShardedVariable):
+            kwargs.pop("colocate_with")
+        return super()._create_variable(next_creator, **kwargs)
 
 
 def _make_sharded_variables_readable():

@@ -5,7 +5,10 @@ import math
 from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import positive_int
-from tfdist_ext.downpour import _fit
+from tfdist_ext.downpour import _round
+from tfdist_ext.downpour import _schedule
+from tfdist_ext.downpour._data import SourceDataset
+from tfdist_ext.downpour._runtime import DownpourRuntime
 from tfdist_ext.downpour._stats import DownpourStats
 
 
@@ -33,6 +36,31 @@ class DownpourStrategy(ParameterServerBase):
     between a replica's fetch and its push), ``pushes``,
     ``rejected_pushes`` and bytes per step in the logs and ``History``;
     ``strategy.stats`` keeps every staleness value.
+
+    ``optimizer.iterations`` counts training steps (batches), as in plain
+    Keras: each push advances it by the number of local steps it carries,
+    so a ``LearningRateSchedule`` written in steps means what it means
+    without the strategy (the rate of a push is the schedule's at the step
+    the push starts from: exact to within ``n_push`` steps). Concurrent
+    pushes may overlap in Keras's own increment during an epoch; at each
+    epoch's end it is set to the exact number of steps the server applied.
+
+    The model's loss is Keras's: the compiled loss, or the model's
+    ``compute_loss`` override, runs on the workers. A model that overrides
+    ``train_step`` has its own step run on the workers (with ``n_fetch=1``,
+    checked when ``fit`` starts): the step reads the model's variables where
+    they live, on the ``ps`` tasks, and its ``self.optimizer.apply_gradients``
+    (or ``apply``) call is where Downpour takes the gradients, accumulating
+    them and pushing every ``n_push`` steps instead of updating (Horovod's
+    ``DistributedOptimizer`` idea). Its weights must not be split across
+    ``ps`` tasks (raise ``min_shard_bytes``).
+
+    Mixed precision works: under ``mixed_float16`` each local step scales
+    its loss by the ``LossScaleOptimizer``'s current scale and unscales its
+    gradients, the push is applied through the inner optimizer, and the
+    server halves the scale on a non-finite push (skipped, and counted in
+    ``rejected_pushes`` without a warning, as Keras skips it silently) and
+    doubles it after ``dynamic_growth_steps`` accepted ones.
 
     Dispatch, worker-failure handling and variable placement are TensorFlow's
     own: the strategy extends ``ParameterServerStrategy`` and schedules each
@@ -74,7 +102,6 @@ class DownpourStrategy(ParameterServerBase):
       ...     model.fit(train_ds, epochs=5, steps_per_epoch=200)
     """
 
-    _is_downpour = True
     _owner = "DownpourStrategy"
 
     def __init__(
@@ -106,16 +133,12 @@ class DownpourStrategy(ParameterServerBase):
                 )
             model_devices = list(model_devices)
         self.model_devices = model_devices
-        self.plan = None
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
         self.coordinator = _integration.ClusterCoordinator(self)
         self.stats = DownpourStats()
-        self._sources = []
-        self._per_worker_iterators = []
-        self._rounds = {}
-        self._worker_index = None
-        self._server_version = None
+        self._runtime = DownpourRuntime(self)
         _integration.install_trainer_hooks()
+        _integration.install_optimizer_hooks()
 
     @property
     def n_fetch(self):
@@ -140,11 +163,22 @@ class DownpourStrategy(ParameterServerBase):
         """Local steps per scheduled round: ``lcm(n_fetch, n_push)``."""
         return math.lcm(self.n_fetch, self.n_push)
 
+    @property
+    def plan(self):
+        """The ``model_devices`` partition of the latest model ``fit`` (``None`` without)."""
+        return self._runtime.plan
+
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
-        return _fit.downpour_fit(model, self, keras_fit, *args, **kwargs)
+        return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
+
+    def _tfdist_apply(self, optimizer, grads, variables, keras_apply):
+        collector = _round.GradientCollector.active()
+        if collector is None:
+            return keras_apply(optimizer, grads, variables)
+        return collector.add(optimizer, grads, variables)
 
     def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
-        return _fit.epoch_logs(model, logs, keras_epoch_logs)
+        return _schedule.epoch_logs(model, logs, keras_epoch_logs)
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.
@@ -153,7 +187,7 @@ class DownpourStrategy(ParameterServerBase):
         each worker gets its own shard (``dataset.shard(num_workers, i)``,
         repeated) built on the worker.
         """
-        return _fit.SourceDataset(dataset, self)
+        return SourceDataset(dataset, self._runtime)
 
     def get_config(self):
         """The strategy's knobs (not the cluster) as a dict."""

@@ -22,6 +22,7 @@ from tfdist_ext.sandblaster._lbfgs import LBFGSRun
 from tfdist_ext.sandblaster._optimizer import LBFGS
 
 def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
+    _refuse_custom_train_step(model)
     arguments = inspect.signature(keras_fit).bind(model, *args, **kwargs).arguments
     arguments.pop("self", None)
     optimizer = model.optimizer
@@ -56,6 +57,20 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
     optimizer._set_result(result)
     history.result = result
     return history
+
+
+def _refuse_custom_train_step(model):
+    owner = _integration.overridden_step(model, "train_step")
+    if owner is not None:
+        raise ValueError(
+            f"SandblasterStrategy: {owner.__name__} overrides train_step, which L-BFGS "
+            "cannot run: Sandblaster minimises the model's loss over the whole training "
+            "set with L-BFGS iterations, not per-batch train steps, so your train_step "
+            "would be skipped. Put the custom loss in a compute_loss override instead "
+            "(Sandblaster evaluates it on the workers), or train this model with a "
+            "strategy that runs train_step as written (e.g. "
+            "tf.distribute.MirroredStrategy)."
+        )
 
 
 def _continued_run(model, strategy, data, optimizer):

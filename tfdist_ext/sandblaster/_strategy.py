@@ -39,6 +39,12 @@ class SandblasterStrategy(ParameterServerBase):
     ``step_size``, ``function_evals``, ``coordinator_bytes``,
     ``backup_slices``, ``wasted_slices`` and ``converged``.
 
+    The objective is the model's loss as Keras computes it: the compiled
+    loss plus regularisation, or the model's ``compute_loss`` override. A
+    model that overrides ``train_step`` is refused when ``fit`` starts: L-BFGS
+    minimises the loss over the whole training set and has no per-batch step
+    to run it in.
+
     Args:
       cluster_resolver: resolver of a cluster with ``chief`` (this process),
         ``worker`` and ``ps`` jobs, e.g. ``LocalCluster(...).resolver``.

@@ -1,0 +1,400 @@
+"""The round a Downpour worker runs (internal).
+
+A round is ``lcm(n_fetch, n_push)`` local steps on one worker, traced once
+as a ``tf.function``: fetch the parameters from the ``ps`` shards, run the
+local steps on that copy (``keras.StatelessScope`` maps the model's
+variables to the local tensors), fetch again every ``n_fetch`` steps, and
+push the summed gradient every ``n_push`` steps through the compiled
+optimizer, whose update ops run on the ``ps`` task that owns each variable.
+Round boundaries fall exactly where both a fetch and a push are due, so no
+state has to live on the worker between rounds: a lost worker loses only
+the gradients of its round in flight.
+
+A model that overrides ``train_step`` has that step run instead, on the
+server's variables (it reads them itself: ``n_fetch`` is 1); the gradients
+it passes to ``self.optimizer.apply_gradients`` are taken by a
+:class:`GradientCollector` and accumulated and pushed like Downpour's own.
+
+Each push advances ``optimizer.iterations`` by the number of local steps it
+carries, so that learning-rate schedules count training steps (batches) as
+in plain Keras. Under ``mixed_float16`` (a ``LossScaleOptimizer``) each local
+step scales its loss by the server's current loss scale and unscales its
+gradients; the push is applied through the inner optimizer, and the loss
+scale grows or halves on the server exactly as ``LossScaleOptimizer`` does
+for accepted and rejected (non-finite) updates.
+"""
+
+import contextvars
+
+import keras
+import tensorflow as tf
+
+from tfdist_ext import _integration
+
+
+def partition(model, strategy):
+    """Places each replica's computation over ``strategy.model_devices``; the plan or ``None``."""
+    if not strategy.model_devices:
+        return None
+    from tfdist_ext.model_parallel import apply_plan
+    from tfdist_ext.model_parallel import plan_partition
+
+    plan = plan_partition(model, strategy.model_devices)
+    # Variables stay on the ps tasks; only the computation is placed.
+    apply_plan(model, plan, place_variables=False)
+    return plan
+
+
+def build_round(model, strategy, version):
+    """The tf.function one worker runs for a round of local steps.
+
+    ``version`` is the server's update counter (a variable on a ``ps``
+    task); staleness is measured in its units.
+    """
+    from tfdist_ext.model_parallel._placement import stage_gradients
+
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+    if not trainable:
+        raise ValueError("DownpourStrategy: the model has no trainable weights")
+    optimizer = _built_optimizer(model, strategy)
+    loss_scale = LossScale.of(optimizer)
+    n_fetch, n_push = strategy.n_fetch, strategy.n_push
+    param_bytes = sum(nbytes(v) for v in trainable)
+    nt_bytes = sum(nbytes(v) for v in non_trainable)
+
+    def keras_fetch():
+        """The local copy of the parameters and the server version it is from."""
+        return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
+
+    def keras_step(params, data):
+        """Keras's step on the local copy ``params``: the gradients."""
+        x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
+        scale = loss_scale.read()
+        with tf.GradientTape() as tape:
+            tape.watch(params)
+            mapping = list(zip(trainable, params))
+            mapping += [(v, v.value) for v in non_trainable]
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                y_pred = _integration.call_model(model, x, training=True)
+                loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
+            new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
+            scaled = loss_scale.scale(optimizer, loss, scale)
+        with stage_gradients():  # backward ops on their stage's device (model_devices)
+            grads = tape.gradient(scaled, params)
+        grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+                 for g, p in zip(grads, params)]
+        grads = loss_scale.unscale(grads, scale)
+        for v, value in zip(non_trainable, new_non_trainable):
+            if value is not None:
+                v.assign(value)
+        batch = tf.shape(tf.nest.flatten(x)[0])[0]
+        _integration.loss_tracker(model).update_state(loss, sample_weight=batch)
+        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return grads
+
+    def version_only():
+        """The user's step reads the parameters itself: only the version."""
+        return [], version.read_value()
+
+    def user_step(params, data):
+        """The user's ``train_step``; its ``optimizer.apply`` gives the gradients."""
+        with GradientCollector(model, trainable) as collector:
+            model.train_step(data)
+        return collector.gradients()
+
+    owner = _integration.overridden_step(model, "train_step")
+    if owner is None:
+        fetch, step = keras_fetch, keras_step
+    else:
+        # The user's step reads the variables where they live (n_fetch is 1).
+        _check_unsplit(trainable, owner)
+        fetch, step = version_only, user_step
+
+    push, state_vars = make_push(strategy, loss_scale.target(optimizer), trainable,
+                                 param_bytes, loss_scale)
+
+    @tf.function
+    def round_fn(iterator, worker, num_steps):
+        state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
+        sent = tf.constant(0, tf.int64)
+        params, fetched = fetch()
+        accum = [tf.zeros(v.shape, v.dtype) for v in trainable]
+        fetches = tf.constant(1, tf.int64)
+        pushes = tf.constant(0, tf.int64)
+        rejected = tf.constant(0, tf.int64)
+        applied = tf.constant(0, tf.int64)
+        carried = tf.constant(0, tf.int64)      # local steps in the next push
+        staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
+        for i in tf.range(num_steps):
+            if i > 0 and i % n_fetch == 0:
+                params, fetched = fetch()
+                fetches += 1
+            grads = strategy.run(step, args=(params, next(iterator)))
+            accum = [a + g for a, g in zip(accum, grads)]
+            carried += 1
+            if (i + 1) % n_push == 0 or i + 1 == num_steps:
+                accepted, state, nbytes_sent = push(accum, state, version.read_value(), carried)
+                sent += nbytes_sent
+                if accepted:
+                    before = version.assign_add(1) - 1
+                    staleness = staleness.write(staleness.size(), before - fetched)
+                    pushes += 1
+                    applied += carried
+                else:
+                    rejected += 1
+                accum = [tf.zeros_like(a) for a in accum]
+                carried = tf.constant(0, tf.int64)
+        steps = tf.cast(num_steps, tf.int64)
+        # Per-worker compressor state (error-feedback residuals, momenta)
+        # carries over to this worker's next round. PerWorkerVariables get
+        # no automatic control dependencies: tie the writes to the outputs.
+        saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
+        with tf.control_dependencies(saved):
+            steps = tf.identity(steps)
+        return {
+            "worker": worker,
+            "steps": steps,
+            "applied_steps": applied,
+            "pushes": pushes,
+            "fetches": fetches,
+            "rejected": rejected,
+            "staleness": staleness.stack(),
+            "push_bytes": sent,
+            "fetch_bytes": fetches * param_bytes + steps * 2 * nt_bytes,
+        }
+
+    return round_fn
+
+
+def _check_unsplit(trainable, owner):
+    split = [v.path for v in trainable if isinstance(v.value, _integration.ShardedVariable)]
+    if split:
+        raise ValueError(
+            f"DownpourStrategy: {owner.__name__}.train_step cannot differentiate "
+            f"{', '.join(split)}: split across the ps tasks (min_shard_bytes), it has no "
+            "single handle for a GradientTape. Raise min_shard_bytes above the largest "
+            "weight's size, or put the custom loss in compute_loss instead of train_step."
+        )
+
+
+class GradientCollector:
+    """Where a user's ``train_step`` hands its gradients to Downpour.
+
+    Horovod's ``DistributedOptimizer`` idea: while a worker traces the
+    user's step, ``self.optimizer.apply_gradients(...)``/``apply(...)`` of
+    the model's optimizer does not update anything; the gradients are
+    collected here (unscaled by the loss scale under ``mixed_float16``, as
+    ``LossScaleOptimizer.apply`` would) and the round accumulates and pushes
+    them every ``n_push`` steps. ``DownpourStrategy._tfdist_apply`` receives
+    the calls (see ``tfdist_ext._integration.install_optimizer_hooks``).
+    """
+
+    _active = contextvars.ContextVar("downpour_gradient_collector", default=None)
+
+    def __init__(self, model, trainable):
+        self._model = model
+        self._trainable = trainable
+        self._index = {id(v): i for i, v in enumerate(trainable)}
+        self._grads = [None] * len(trainable)
+        self._applied = False
+        self._token = None
+
+    @classmethod
+    def active(cls):
+        """The collector of the step being traced in this thread, or ``None``."""
+        return cls._active.get()
+
+    def __enter__(self):
+        self._token = self._active.set(self)
+        return self
+
+    def __exit__(self, *exc_info):
+        self._active.reset(self._token)
+
+    def add(self, optimizer, grads, variables):
+        """Takes ``optimizer.apply(grads, variables)`` of the user's step."""
+        name = type(self._model).__name__
+        if optimizer is not self._model.optimizer:
+            raise ValueError(
+                f"DownpourStrategy: {name}.train_step applied an optimizer other than "
+                "the model's compiled one; Downpour applies model.optimizer on the "
+                "parameter servers: call self.optimizer.apply_gradients(...)")
+        scale = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
+        variables = self._trainable if variables is None else list(variables)
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            i = self._index.get(id(v))
+            if i is None:
+                raise ValueError(
+                    f"DownpourStrategy: {name}.train_step applied a gradient to "
+                    f"{getattr(v, 'path', v)!r}, which is not a trainable weight of the model")
+            g = tf.convert_to_tensor(g)
+            if scale is not None:
+                g = g / tf.cast(scale, g.dtype)
+            self._grads[i] = g if self._grads[i] is None else self._grads[i] + g
+        self._applied = True
+
+    def gradients(self):
+        """The step's gradient of every trainable weight (zeros where it gave none)."""
+        if not self._applied:
+            raise ValueError(
+                f"DownpourStrategy: {type(self._model).__name__}.train_step did not call "
+                "self.optimizer.apply_gradients(...) (or apply): Downpour pushes the "
+                "gradients given there, so nothing would be trained")
+        return [tf.zeros(v.shape, v.dtype) if g is None else g
+                for g, v in zip(self._grads, self._trainable)]
+
+
+def _built_optimizer(model, strategy):
+    """The compiled optimizer, built (slots on the ``ps`` tasks) before the round is traced."""
+    optimizer = model.optimizer
+    if optimizer is None:
+        raise ValueError("DownpourStrategy: compile the model before fit()")
+    if not optimizer.built:
+        with strategy.scope():
+            optimizer.build(model.trainable_variables)
+    return optimizer
+
+
+class LossScale:
+    """Dynamic loss scaling of a ``keras.optimizers.LossScaleOptimizer`` under Downpour.
+
+    Keras's ``LossScaleOptimizer.apply`` needs a replica context with
+    ``merge_call``; a Downpour push is applied on the server from a
+    cross-replica context. So the worker does the scaling (scale the loss by
+    the server's current ``dynamic_scale``, unscale the gradients with the
+    same value), the push goes through ``inner_optimizer``, and the server
+    updates ``dynamic_scale``/``step_counter`` by Keras's rule: halve on a
+    non-finite (rejected) push, double after ``dynamic_growth_steps``
+    accepted ones. Other optimizers: ``optimizer.scale_loss`` (their
+    ``loss_scale_factor``, unscaled by ``apply``), nothing else.
+    """
+
+    def __init__(self, optimizer=None):
+        self.optimizer = optimizer
+
+    @classmethod
+    def of(cls, optimizer):
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            return cls(optimizer)
+        return cls()
+
+    def target(self, optimizer):
+        """The optimizer a push applies."""
+        return optimizer if self.optimizer is None else self.optimizer.inner_optimizer
+
+    def read(self):
+        if self.optimizer is None:
+            return None
+        return tf.convert_to_tensor(self.optimizer.dynamic_scale.value)
+
+    def scale(self, optimizer, loss, scale):
+        if scale is None:
+            return optimizer.scale_loss(loss)
+        return loss * tf.cast(scale, loss.dtype)
+
+    def unscale(self, grads, scale):
+        if scale is None:
+            return grads
+        return [g / tf.cast(scale, g.dtype) for g in grads]
+
+    def after_accepted(self):
+        if self.optimizer is None:
+            return
+        counter = self.optimizer.step_counter.value
+        scale = self.optimizer.dynamic_scale.value
+        grow = tf.equal(counter.read_value(), self.optimizer.dynamic_growth_steps - 1)
+        tf.cond(grow,
+                lambda: tf.group(counter.assign(0), scale.assign(scale.read_value() * 2.0)),
+                lambda: tf.group(counter.assign_add(1)))
+
+    def after_rejected(self):
+        if self.optimizer is None:
+            return
+        counter = self.optimizer.step_counter.value
+        scale = self.optimizer.dynamic_scale.value
+        tf.group(counter.assign(0), scale.assign(scale.read_value() * 0.5))
+
+
+def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
+    """``push(accum, state, step, steps) -> (accepted, state, bytes_sent)`` and the state variables.
+
+    The server checks every push: each ``ps`` task tests the gradient of the
+    variables it owns for NaN/Inf, and ``optimizer`` is applied only if all
+    are finite; an applied push advances ``optimizer.iterations`` by the
+    ``steps`` it carries. Without compression the dense gradient is what
+    crosses the wire and the optimizer's per-variable updates run on the
+    owning ``ps`` task. With a compressor the worker sends the compressed
+    wire form, the owning ``ps`` task decompresses it, and the compressor's
+    state (error-feedback residuals, DGC momenta) stays on the worker in
+    per-worker variables; a rejected push leaves that state unchanged.
+    """
+    compressor = strategy.compression
+    iterations = optimizer.iterations.value
+
+    def home(variable):
+        value = variable.value
+        if isinstance(value, _integration.ShardedVariable):
+            return None           # split: checked and decompressed on the worker
+        return value.device
+
+    def apply(grads, steps):
+        # Cross-replica context: each variable's update runs on the ps task
+        # that owns it (extended.update colocates). Keras counts 1; the push
+        # carries `steps` training steps.
+        optimizer.apply_gradients(zip(grads, trainable))
+        with tf.control_dependencies([iterations.assign_add(steps - 1)]):
+            loss_scale.after_accepted()
+            return tf.constant(True)
+
+    def reject():
+        loss_scale.after_rejected()
+        return tf.constant(False)
+
+    def checked_apply(grads, steps):
+        checks = []
+        for g, v in zip(grads, trainable):
+            with tf.device(home(v)):
+                checks.append(tf.reduce_all(tf.math.is_finite(g)))
+        accepted = tf.reduce_all(checks)
+        return tf.cond(accepted, lambda: apply(grads, steps), reject)
+
+    if compressor is None:
+        def push(accum, state, step, steps):
+            return checked_apply(accum, steps), state, tf.constant(param_bytes, tf.int64)
+
+        return push, []
+
+    with strategy.scope():
+        state_vars = [
+            tf.nest.map_structure(
+                lambda t: tf.Variable(t, trainable=False, per_worker_variable=True),
+                compressor.init(v.shape, v.dtype),
+            )
+            for v in trainable
+        ]
+
+    def push(accum, state, step, steps):
+        wires, candidate = [], []
+        for a, s in zip(accum, state):
+            wire, s = compressor.compress(a, s, step)
+            wires.append(wire)
+            candidate.append(s)
+        grads = []
+        for wire, v, a in zip(wires, trainable, accum):
+            with tf.device(home(v)):
+                grads.append(compressor.decompress(wire, a.shape, a.dtype))
+        accepted = checked_apply(grads, steps)
+        if tf.nest.flatten(candidate):
+            state = tf.cond(accepted, lambda: candidate, lambda: state)
+        return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
+
+    return push, state_vars
+
+
+def nbytes(variable):
+    return int(variable.shape.num_elements()) * tf.as_dtype(variable.dtype).size

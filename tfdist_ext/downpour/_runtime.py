@@ -1,0 +1,105 @@
+"""Downpour's runtime state, with one owner (internal).
+
+A ``DownpourStrategy`` creates one :class:`DownpourRuntime`; everything
+Downpour keeps between ``fit`` calls lives there and is changed only through
+its methods: the datasets ``fit`` has seen and their per-worker shards, each
+worker's index, the server's update counter, the traced round functions and
+the ``model_devices`` partition plans.
+"""
+
+import weakref
+
+import tensorflow as tf
+
+from tfdist_ext.downpour import _data
+from tfdist_ext.downpour import _round
+
+_MAX_SOURCES = 16
+
+
+class DownpourRuntime:
+    """The caches and server-side counter of one ``DownpourStrategy``."""
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._sources = []               # (chief iterator, dataset), newest last
+        self._per_worker_iterators = []  # (dataset, per-worker iterator), newest last
+        self._rounds = {}                # key -> (weakref(model), round function)
+        self._plans = {}                 # id(model) -> (weakref(model), plan)
+        self._worker_index = None
+        self._version = None
+        self.plan = None                 # the latest model_devices plan
+
+    # -- data ------------------------------------------------------------------
+
+    def remember_source(self, iterator, dataset):
+        """Records that ``iterator`` (on the chief) iterates ``dataset``."""
+        self._sources.append((iterator, dataset))
+        del self._sources[:-_MAX_SOURCES]
+
+    def source_of(self, iterator):
+        """The dataset a chief iterator came from (see ``remember_source``)."""
+        for it, dataset in reversed(self._sources):
+            if it is iterator:
+                return dataset
+        raise ValueError(
+            "DownpourStrategy: fit() got data that was not distributed by this "
+            "strategy; build and fit the model under the same strategy"
+        )
+
+    def per_worker_iterator(self, dataset):
+        """Every worker's iterator over its shard of ``dataset``.
+
+        Cached: successive ``fit`` calls on the same data continue the same
+        per-worker shards instead of rebuilding them.
+        """
+        for source, per_worker in self._per_worker_iterators:
+            if source is dataset:
+                return per_worker
+        per_worker = _data.per_worker_iterator(self._strategy, dataset)
+        self._per_worker_iterators.append((dataset, per_worker))
+        del self._per_worker_iterators[:-_MAX_SOURCES]
+        return per_worker
+
+    def worker_index(self):
+        """Each worker's task index, resolved on that worker."""
+        if self._worker_index is None:
+            self._worker_index = _data.per_worker_index(self._strategy)
+        return self._worker_index
+
+    # -- rounds ----------------------------------------------------------------
+
+    def server_version(self):
+        """The server's update counter (a variable on a ``ps`` task)."""
+        if self._version is None:
+            with self._strategy.scope():
+                self._version = tf.Variable(
+                    tf.constant(0, tf.int64), trainable=False, name="downpour_server_version"
+                )
+        return self._version
+
+    def round_for(self, model):
+        """The traced round of ``model``: one per (model, optimizer, n_fetch, n_push, compression)."""
+        strategy = self._strategy
+        self._partition(model)
+        key = (id(model), id(model.optimizer), strategy.n_fetch, strategy.n_push,
+               id(strategy.compression))
+        entry = self._rounds.get(key)
+        if entry is None or entry[0]() is not model:
+            entry = (weakref.ref(model),
+                     _round.build_round(model, strategy, self.server_version()))
+            self._rounds[key] = entry
+        return entry[1]
+
+    def round_functions(self):
+        """The traced round functions of live models (for inspection)."""
+        return [fn for ref, fn in self._rounds.values() if ref() is not None]
+
+    def _partition(self, model):
+        entry = self._plans.get(id(model))
+        if entry is not None and entry[0]() is model:
+            return
+        plan = _round.partition(model, self._strategy)
+        if plan is not None:
+            self._plans[id(model)] = (weakref.ref(model), plan)
+            self.plan = plan
