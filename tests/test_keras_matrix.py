@@ -1,0 +1,482 @@
+"""Issue 12 acceptance: real Keras programs x every strategy of the project.
+
+Each model kind is a program as Keras's own guides write it ("The Sequential
+model", "The Functional API", "Making new layers and models via
+subclassing", "Customizing what happens in fit()", "Mixed precision"); the
+user's code lives in their own module (``USER_MODELS``, written to
+``user_models.py``), which knows nothing of tfdist_ext. One training process
+per strategy (one cluster) runs every selected kind, as
+``with strategy.scope(): build + compile``, then ``fit``, ``predict`` and
+``save``. Each cell then checks that
+
+* the loss fell, and the user's own code ran where they wrote it (a counter
+  in ``call``, a metric updated by the user's ``train_step``) -- or, where the
+  strategy cannot honour it, that ``fit`` was refused at once (before the
+  first batch) with a ``ValueError`` naming the problem;
+* the ``.keras`` file loads in a fresh process that does not import
+  tfdist_ext and predicts what the training process predicted;
+
+and one cell per strategy checks that the training process ended by itself
+(exit code 0, no ``os._exit``) soon after its last statement.
+
+The default suite runs ``DEFAULT_CELLS`` (every strategy and every model kind
+at least once); the rest of the matrix is marked ``slow``. Cells that fail
+because of a numbered failure of issue 12 are strict xfails naming it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfdist_ext.cluster import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+USER_MODELS = r'''
+"""The user's models, as Keras's guides write them (no tfdist_ext here)."""
+import keras
+import tensorflow as tf
+
+CALLS = {"subclassed": 0}
+
+
+def sequential():
+    """"The Sequential model": a small CNN on 8x8 images."""
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ])
+
+
+def functional_two_inputs():
+    """"The Functional API": two inputs (top and bottom half of an image)."""
+    top = keras.Input((32,), name="top")
+    bottom = keras.Input((32,), name="bottom")
+    features = keras.layers.concatenate([
+        keras.layers.Dense(16, activation="relu")(top),
+        keras.layers.Dense(16, activation="relu")(bottom),
+    ])
+    return keras.Model([top, bottom], keras.layers.Dense(10)(features))
+
+
+@keras.saving.register_keras_serializable(package="user_models")
+class MLP(keras.Model):
+    """"Making new layers and models via subclassing"."""
+
+    def __init__(self, units=32, num_classes=10, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.num_classes = num_classes
+        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.classifier = keras.layers.Dense(num_classes)
+
+    def call(self, inputs):
+        CALLS["subclassed"] += 1
+        return self.classifier(self.hidden(inputs))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "num_classes": self.num_classes}
+
+
+def subclassed():
+    return MLP()
+
+
+@keras.saving.register_keras_serializable(package="user_models")
+class CustomStepModel(keras.Model):
+    """"Customizing what happens in fit()": the guide's own train_step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.user_steps = keras.metrics.Sum(name="user_steps")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        for metric in self.metrics:
+            if metric is self.user_steps:
+                metric.update_state(1.0)
+            elif metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def custom_train_step():
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    return CustomStepModel(inputs, keras.layers.Dense(10)(hidden))
+
+
+def bn_dropout():
+    return keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(10),
+    ])
+
+
+def embedding():
+    """A tiny sequence model on integer tokens."""
+    return keras.Sequential([
+        keras.Input((12,), dtype="int32"),
+        keras.layers.Embedding(50, 8),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(2),
+    ])
+
+
+def mixed_precision():
+    """"Mixed precision": build under the global policy, float32 outputs."""
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(32, activation="relu")(inputs)
+    x = keras.layers.Dense(10)(x)
+    return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(x))
+
+
+mixed_float16 = mixed_bfloat16 = mixed_precision
+'''
+
+TRAIN = r'''
+import json, os, sys, time, traceback
+import numpy as np
+import keras
+import tensorflow as tf
+import tfdist_ext
+from tfdist_ext import compression, datasets
+import user_models
+
+STRATEGY, OUT, KINDS = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+EPOCHS, STEPS, BATCH = 3, 6, 32
+POLICY = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
+os.makedirs(OUT, exist_ok=True)
+
+
+def data(kind):
+    if kind == "embedding":
+        rng = np.random.default_rng(0)
+        x = rng.integers(1, 50, size=(1024, 12)).astype("int32")
+        return x, ((x < 25).mean(1) > 0.5).astype("int64")
+    x, y = datasets.digits("train", flatten=kind != "sequential", as_numpy=True)
+    if kind == "functional_two_inputs":
+        return (x[:, :32], x[:, 32:]), y
+    return x, y
+
+
+def stream(x, y):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=0).batch(BATCH).repeat()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+class Batches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+
+
+def train(strategy, kind, optimizer, full_batch):
+    x, y = data(kind)
+    keras.mixed_precision.set_global_policy(POLICY.get(kind, "float32"))
+    batches = Batches()
+    start = time.time()
+    try:
+        with strategy.scope():
+            model = getattr(user_models, kind)()
+            model.compile(optimizer=optimizer(),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        if full_batch:
+            history = model.fit(x, y, epochs=EPOCHS, verbose=0, callbacks=[batches])
+        else:
+            history = model.fit(stream(x, y), epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0,
+                                callbacks=[batches])
+        probe = [a[:16] for a in x] if isinstance(x, tuple) else [x[:16]]
+        predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
+        model.save(os.path.join(OUT, kind + ".keras"))
+        np.savez(os.path.join(OUT, kind + ".npz"), predictions=predictions, *probe)
+        result = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
+                  "calls": dict(user_models.CALLS)}
+    except Exception as e:
+        result = {"error": type(e).__name__, "message": str(e)[:2000],
+                  "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    result.update(batches=batches.seen, seconds=time.time() - start)
+    return result
+
+
+def run_all(strategy, optimizer, full_batch=False):
+    results = {}
+    for kind in KINDS:
+        results[kind] = train(strategy, kind, optimizer, full_batch)
+        write(results)
+    return results
+
+
+def write(results, **extra):
+    with open(os.path.join(OUT, "results.json.tmp"), "w") as f:
+        json.dump({"kinds": results, **extra}, f)
+    os.replace(os.path.join(OUT, "results.json.tmp"), os.path.join(OUT, "results.json"))
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def ef_topk():
+    return compression.get("ef_topk", ratio=0.1)
+
+
+if STRATEGY == "downpour":
+    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
+        results = run_all(strategy, adam)
+elif STRATEGY == "sandblaster":
+    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tfdist_ext.SandblasterStrategy(cluster.resolver)
+        results = run_all(strategy, lambda: tfdist_ext.optimizers.LBFGS(memory=10),
+                          full_batch=True)
+elif STRATEGY == "compressed_mirrored":
+    devices = tfdist_ext.cluster.logical_cpus(2)
+    strategy = tfdist_ext.CompressedMirroredStrategy(devices, compression=ef_topk())
+    results = run_all(strategy, adam)
+elif STRATEGY == "compressed_multiworker":
+    strategy = tfdist_ext.CompressedMultiWorkerMirroredStrategy(compression=ef_topk())
+    results = run_all(strategy, adam)
+elif STRATEGY == "model_parallel":
+    devices = tfdist_ext.cluster.logical_cpus(2)
+    strategy = tfdist_ext.ModelParallelStrategy(devices)
+    results = run_all(strategy, adam)
+else:
+    raise ValueError(f"unknown strategy {STRATEGY!r}")
+write(results, finished=time.time())
+'''
+
+LOAD = r'''
+import json, sys
+import numpy as np
+import keras
+import user_models
+
+out, kinds = sys.argv[1], sys.argv[2].split(",")
+results = {}
+for kind in kinds:
+    try:
+        saved = np.load(f"{out}/{kind}.npz")
+        probe = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
+        model = keras.models.load_model(f"{out}/{kind}.keras")
+        predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
+        results[kind] = {"max_diff": float(np.max(np.abs(
+            predictions.astype("float32") - saved["predictions"].astype("float32"))))}
+    except Exception as e:
+        results[kind] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+results["imported_tfdist_ext"] = "tfdist_ext" in sys.modules
+print("RESULT " + json.dumps(results), flush=True)
+'''
+
+STRATEGIES = ("downpour", "sandblaster", "compressed_mirrored", "compressed_multiworker",
+              "model_parallel")
+KINDS = ("sequential", "functional_two_inputs", "subclassed", "custom_train_step",
+         "bn_dropout", "embedding", "mixed_float16", "mixed_bfloat16")
+
+# Every strategy and every model kind at least once, in the default suite.
+DEFAULT_CELLS = {
+    ("downpour", "sequential"), ("downpour", "custom_train_step"), ("downpour", "mixed_float16"),
+    ("sandblaster", "custom_train_step"), ("sandblaster", "embedding"),
+    ("compressed_mirrored", "functional_two_inputs"), ("compressed_mirrored", "bn_dropout"),
+    ("compressed_multiworker", "subclassed"), ("compressed_multiworker", "mixed_bfloat16"),
+    ("model_parallel", "custom_train_step"), ("model_parallel", "subclassed"),
+}
+
+# Where a strategy cannot honour the user's code, fit must be refused at once
+# with a ValueError whose message contains this text.
+REFUSALS = {
+    ("sandblaster", "custom_train_step"): "train_step",
+}
+
+# Cells that fail today because of a numbered failure of issue 12.
+KNOWN_FAILURES = {}
+
+EXIT_GRACE = 30.0     # seconds a process may take to end after its last statement
+
+
+def _cell(strategy, kind):
+    marks = [] if (strategy, kind) in DEFAULT_CELLS else [pytest.mark.slow]
+    if (strategy, kind) in KNOWN_FAILURES:
+        marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[strategy, kind]))
+    return pytest.param(strategy, kind, marks=marks, id=f"{strategy}-{kind}")
+
+
+CELLS = [_cell(s, k) for s in STRATEGIES for k in KINDS]
+EXIT_FAILURES = {}
+
+
+class Run:
+    """One training process (or two, for the multi-worker strategy) and its fresh-process load."""
+
+    def __init__(self, strategy, kinds, directory):
+        self.strategy, self.kinds, self.directory = strategy, list(kinds), directory
+        (directory / "user_models.py").write_text(USER_MODELS)
+        (directory / "train.py").write_text(TRAIN)
+        (directory / "load.py").write_text(LOAD)
+        self.deadline = 120 + 90 * len(self.kinds)
+        self.workers = self._train()
+        self.loaded = None
+
+    def _train(self):
+        if self.strategy != "compressed_multiworker":
+            return [self._start(self.directory / "out", {})]
+        cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+        return [self._start(self.directory / f"out{i}", {"TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": i}})})
+                for i in range(2)]
+
+    def _start(self, out, env):
+        log = open(self.directory / f"{out.name}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", self.strategy, str(out), ",".join(self.kinds)],
+            cwd=self.directory, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **env))
+        return {"proc": proc, "out": out, "log": log}
+
+    def wait(self):
+        """Waits for every process: until the deadline, then EXIT_GRACE after its last statement."""
+        start = time.time()
+        for w in self.workers:
+            while w["proc"].poll() is None:
+                finished = self._results(w).get("finished")
+                if (finished and time.time() - finished > EXIT_GRACE
+                        or time.time() - start > self.deadline):
+                    w["proc"].kill()
+                    w["killed"] = time.time()
+                    w["proc"].wait()
+                    break
+                time.sleep(0.5)
+            w["ended"] = w.get("killed") or time.time()
+            w["log"].close()
+        return self
+
+    @staticmethod
+    def _results(worker):
+        try:
+            return json.loads((worker["out"] / "results.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def log(self, worker, tail=6000):
+        return (self.directory / f"{worker['out'].name}.log").read_text()[-tail:]
+
+    def cell(self, kind):
+        """Each worker's result for ``kind``; fails with the worker's log if it has none."""
+        results = []
+        for w in self.workers:
+            result = self._results(w).get("kinds", {}).get(kind)
+            if result is None:
+                pytest.fail(f"no result for {kind!r}; the process log ends:\n{self.log(w)}")
+            results.append(result)
+        return results
+
+    def load(self):
+        """Loads every saved model in a fresh process without tfdist_ext (once)."""
+        if self.loaded is None:
+            out = self.workers[0]["out"]
+            saved = [k for k in self.kinds if (out / f"{k}.keras").exists()]
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            proc = subprocess.run(
+                [sys.executable, "load.py", str(out), ",".join(saved)], cwd=self.directory,
+                capture_output=True, text=True, timeout=60 + 20 * len(saved),
+                stdin=subprocess.DEVNULL, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            assert lines, f"loader failed:\n{proc.stderr[-4000:]}"
+            self.loaded = json.loads(lines[-1][len("RESULT "):])
+        return self.loaded
+
+
+_RUNS = {}
+
+
+@pytest.fixture
+def run_of(request, tmp_path_factory):
+    """``run_of(strategy)``: the finished Run of that strategy, with every selected kind."""
+    def get(strategy):
+        if strategy not in _RUNS:
+            kinds = [k for k in KINDS if any(_params(item) == (strategy, k)
+                                             for item in request.session.items)]
+            directory = tmp_path_factory.mktemp(strategy)
+            _RUNS[strategy] = Run(strategy, kinds or KINDS[:1], directory).wait()
+        return _RUNS[strategy]
+    return get
+
+
+def _params(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("strategy"), params.get("kind")
+
+
+def _check_trained(strategy, kind, result):
+    if "error" in result:
+        expected = REFUSALS.get((strategy, kind))
+        assert expected is not None, (
+            f"{strategy} x {kind}: fit failed with {result['error']}: {result['message']}\n"
+            f"{result['traceback']}")
+        assert result["error"] == "ValueError", result["traceback"]
+        assert expected in result["message"], result["message"]
+        assert result["batches"] == 0, "refused only after training had started"
+        return False
+    loss = result["history"]["loss"]
+    assert loss[-1] < loss[0], f"the loss did not fall: {loss}"
+    if kind == "custom_train_step":
+        steps = result["history"].get("user_steps")
+        assert steps and steps[-1] > 0, (
+            f"the user's train_step did not run (user_steps: {steps}; logs: "
+            f"{sorted(result['history'])})")
+    if kind == "subclassed":
+        assert result["calls"]["subclassed"] > 0, "the user's call() never ran"
+    return True
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy,kind", CELLS)
+def test_keras_program_runs_under_strategy(run_of, strategy, kind):
+    run = run_of(strategy)
+    trained = [_check_trained(strategy, kind, result) for result in run.cell(kind)]
+    if not trained[0]:
+        return
+    loaded = run.load()
+    assert loaded["imported_tfdist_ext"] is False
+    assert "error" not in loaded[kind], loaded[kind]["error"]
+    tolerance = 1e-2 if kind.startswith("mixed") else 1e-4
+    assert loaded[kind]["max_diff"] <= tolerance, loaded[kind]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy", [
+    pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=EXIT_FAILURES[s])]
+                 if s in EXIT_FAILURES else [], id=s) for s in STRATEGIES])
+def test_training_process_exits_by_itself(run_of, strategy):
+    run = run_of(strategy)
+    for w in run.workers:
+        assert "killed" not in w, (
+            f"the process did not end within {EXIT_GRACE:.0f} s of its last statement "
+            f"(or the {run.deadline} s deadline); its log ends:\n{run.log(w)}")
+        assert w["proc"].returncode == 0, run.log(w)
+        assert "Connection refused" not in run.log(w, tail=None), run.log(w)
