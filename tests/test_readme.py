@@ -16,7 +16,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 
 # Blocks that fail today because of a numbered failure of issue 12, by section.
-KNOWN_FAILURES = {}
+KNOWN_FAILURES = {
+    "downpour-in-five-lines": "issue 12 item 5: leaving the LocalCluster block prints ~100 gRPC "
+                              "'Connection refused' lines (ClusterCoordinator not shut down)",
+}
 
 
 def python_blocks(text):
