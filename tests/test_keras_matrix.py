@@ -283,10 +283,15 @@ for kind in kinds:
     try:
         saved = np.load(f"{out}/{kind}.npz")
         probe = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
-        model = keras.models.load_model(f"{out}/{kind}.keras")
+        results[kind] = {}
+        try:
+            model = keras.models.load_model(f"{out}/{kind}.keras")
+        except Exception as e:   # e.g. an optimizer class this process does not have
+            results[kind]["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
+            model = keras.models.load_model(f"{out}/{kind}.keras", compile=False)
         predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
-        results[kind] = {"max_diff": float(np.max(np.abs(
-            predictions.astype("float32") - saved["predictions"].astype("float32"))))}
+        results[kind]["max_diff"] = float(np.max(np.abs(
+            predictions.astype("float32") - saved["predictions"].astype("float32"))))
     except Exception as e:
         results[kind] = {"error": f"{type(e).__name__}: {e}"[:2000]}
 results["imported_tfdist_ext"] = "tfdist_ext" in sys.modules
@@ -311,10 +316,31 @@ DEFAULT_CELLS = {
 # with a ValueError whose message contains this text.
 REFUSALS = {
     ("sandblaster", "custom_train_step"): "train_step",
+    ("sandblaster", "mixed_float16"): "LossScaleOptimizer",   # L-BFGS has no loss scaling
 }
 
-# Cells that fail today because of a numbered failure of issue 12.
-KNOWN_FAILURES = {}
+# Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).
+KNOWN_FAILURES = {
+    ("downpour", "custom_train_step"):
+        "issue 12 item 1: the user's train_step never runs (its user_steps metric stays 0)",
+    ("downpour", "mixed_float16"):
+        "issue 12 item 2: ValueError: apply() must be called in a replica context. "
+        "(LossScaleOptimizer in the Downpour push)",
+    ("sandblaster", "custom_train_step"):
+        "issue 12 item 1: the user's train_step neither runs (user_steps stays 0) nor is refused",
+    ("sandblaster", "subclassed"):
+        "NEW, not in issue 12: a subclassed model not built before fit fails in "
+        "sandblaster/_vectors.py probe: ValueError from tf.add_n (no variables yet)",
+    ("compressed_mirrored", "bn_dropout"):
+        "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
+        "statistics differ per replica, the saved model predicts replica 0's",
+    ("compressed_multiworker", "bn_dropout"):
+        "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
+        "statistics differ per replica, the saved model predicts replica 0's",
+    ("model_parallel", "subclassed"):
+        "issue 12 item 7: a subclassed model fails in fit after the first batch: "
+        "TypeError: 'NoneType' object is not callable (train_function)",
+}
 
 EXIT_GRACE = 30.0     # seconds a process may take to end after its last statement
 
@@ -327,7 +353,10 @@ def _cell(strategy, kind):
 
 
 CELLS = [_cell(s, k) for s in STRATEGIES for k in KINDS]
-EXIT_FAILURES = {}
+EXIT_FAILURES = {
+    "downpour": "issue 12 item 5: the process exits 0 but prints hundreds of gRPC "
+                "'Connection refused' lines after the LocalCluster block",
+}
 
 
 class Run:
@@ -383,7 +412,8 @@ class Run:
             return {}
 
     def log(self, worker, tail=6000):
-        return (self.directory / f"{worker['out'].name}.log").read_text()[-tail:]
+        text = (self.directory / f"{worker['out'].name}.log").read_text()
+        return text[-tail:] if tail else text
 
     def cell(self, kind):
         """Each worker's result for ``kind``; fails with the worker's log if it has none."""
@@ -464,6 +494,8 @@ def test_keras_program_runs_under_strategy(run_of, strategy, kind):
     loaded = run.load()
     assert loaded["imported_tfdist_ext"] is False
     assert "error" not in loaded[kind], loaded[kind]["error"]
+    if strategy != "sandblaster":   # see test_sandblaster_model_loads_compiled_without_tfdist_ext
+        assert "compile_error" not in loaded[kind], loaded[kind]["compile_error"]
     tolerance = 1e-2 if kind.startswith("mixed") else 1e-4
     assert loaded[kind]["max_diff"] <= tolerance, loaded[kind]
 
@@ -480,3 +512,15 @@ def test_training_process_exits_by_itself(run_of, strategy):
             f"(or the {run.deadline} s deadline); its log ends:\n{run.log(w)}")
         assert w["proc"].returncode == 0, run.log(w)
         assert "Connection refused" not in run.log(w, tail=None), run.log(w)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.xfail(strict=True, reason=(
+    "NEW, not in issue 12: keras.models.load_model of a model compiled with "
+    "tfdist_ext.optimizers.LBFGS fails without tfdist_ext: TypeError: Could not locate "
+    "class 'LBFGS' (compile=False loads and predicts the same)"))
+def test_sandblaster_model_loads_compiled_without_tfdist_ext(run_of):
+    loaded = run_of("sandblaster").load()
+    errors = {kind: r["compile_error"] for kind, r in loaded.items()
+              if isinstance(r, dict) and "compile_error" in r}
+    assert not errors, errors
