@@ -1,27 +1,30 @@
 """Issue 12 acceptance: real Keras programs x every strategy of the project.
 
 Each model kind is a program as Keras's own guides write it ("The Sequential
-model", "The Functional API", "Making new layers and models via
-subclassing", "Customizing what happens in fit()", "Mixed precision"); the
-user's code lives in their own module (``USER_MODELS``, written to
+model", "The Functional API", "Making new layers and models via subclassing",
+"Customizing what happens in fit()", "Mixed precision", and "Multi-GPU
+distributed training with TensorFlow" with its checkpoint-restart pattern).
+The user's code lives in their own module (``USER_MODELS``, written to
 ``user_models.py``), which knows nothing of tfdist_ext. One training process
 per strategy (one cluster) runs every selected kind, as
 ``with strategy.scope(): build + compile``, then ``fit``, ``predict`` and
 ``save``. Each cell then checks that
 
-* the loss fell, and the user's own code ran where they wrote it (a counter
-  in ``call``, a metric updated by the user's ``train_step``) -- or, where the
-  strategy cannot honour it, that ``fit`` was refused at once (before the
-  first batch) with a ``ValueError`` naming the problem;
+* the loss fell, and the user's own code ran where they wrote it (counters in
+  ``Layer.call`` and ``Model.call``, a metric updated by the user's
+  ``train_step``) -- or, where the strategy cannot honour it, that ``fit``
+  was refused at once (before the first batch) with a ``ValueError`` naming
+  the problem;
 * the ``.keras`` file loads in a fresh process that does not import
   tfdist_ext and predicts what the training process predicted;
 
 and one cell per strategy checks that the training process ended by itself
-(exit code 0, no ``os._exit``) soon after its last statement.
+(exit code 0, no ``os._exit``, no gRPC connection errors) soon after its last
+statement.
 
 The default suite runs ``DEFAULT_CELLS`` (every strategy and every model kind
 at least once); the rest of the matrix is marked ``slow``. Cells that fail
-because of a numbered failure of issue 12 are strict xfails naming it.
+today are strict xfails naming the numbered failure of issue 12, or "NEW".
 """
 
 import json
@@ -41,7 +44,7 @@ USER_MODELS = r'''
 import keras
 import tensorflow as tf
 
-CALLS = {"subclassed": 0}
+CALLS = {"layer": 0, "model": 0}
 
 
 def sequential():
@@ -66,19 +69,40 @@ def functional_two_inputs():
 
 
 @keras.saving.register_keras_serializable(package="user_models")
+class Linear(keras.layers.Layer):
+    """"Making new layers and models via subclassing": weights made in build()."""
+
+    def __init__(self, units=32, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units),
+                                 initializer="random_normal", trainable=True)
+        self.b = self.add_weight(shape=(self.units,), initializer="zeros", trainable=True)
+
+    def call(self, inputs):
+        CALLS["layer"] += 1
+        return keras.ops.matmul(inputs, self.w) + self.b
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="user_models")
 class MLP(keras.Model):
-    """"Making new layers and models via subclassing"."""
+    """The same guide: a model subclass built on the user's layer."""
 
     def __init__(self, units=32, num_classes=10, **kwargs):
         super().__init__(**kwargs)
         self.units = units
         self.num_classes = num_classes
-        self.hidden = keras.layers.Dense(units, activation="relu")
+        self.hidden = Linear(units)
         self.classifier = keras.layers.Dense(num_classes)
 
     def call(self, inputs):
-        CALLS["subclassed"] += 1
-        return self.classifier(self.hidden(inputs))
+        CALLS["model"] += 1
+        return self.classifier(keras.ops.relu(self.hidden(inputs)))
 
     def get_config(self):
         return {**super().get_config(), "units": self.units, "num_classes": self.num_classes}
@@ -149,6 +173,15 @@ def mixed_precision():
 
 
 mixed_float16 = mixed_bfloat16 = mixed_precision
+
+
+def checkpoint_restart():
+    """"Multi-GPU distributed training with TensorFlow": the guide's functional model
+    (trained with ModelCheckpoint, then restored under the scope and continued)."""
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(256, activation="relu")(inputs)
+    x = keras.layers.Dense(256, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
 '''
 
 TRAIN = r'''
@@ -162,7 +195,7 @@ import user_models
 
 STRATEGY, OUT, KINDS = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 EPOCHS, STEPS, BATCH = 3, 6, 32
-POLICY = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
+POLICY = json.loads(sys.argv[4])
 os.makedirs(OUT, exist_ok=True)
 
 
@@ -195,6 +228,7 @@ class Batches(keras.callbacks.Callback):
 
 def train(strategy, kind, optimizer, full_batch):
     x, y = data(kind)
+    user_models.CALLS.update(layer=0, model=0)
     keras.mixed_precision.set_global_policy(POLICY.get(kind, "float32"))
     batches = Batches()
     start = time.time()
@@ -204,17 +238,16 @@ def train(strategy, kind, optimizer, full_batch):
             model.compile(optimizer=optimizer(),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                           metrics=["accuracy"])
-        if full_batch:
-            history = model.fit(x, y, epochs=EPOCHS, verbose=0, callbacks=[batches])
+        if kind == "checkpoint_restart":
+            model, history, extra = make_or_restore(strategy, model, x, y, full_batch, batches)
         else:
-            history = model.fit(stream(x, y), epochs=EPOCHS, steps_per_epoch=STEPS, verbose=0,
-                                callbacks=[batches])
+            history, extra = fit(model, x, y, full_batch, EPOCHS, [batches]).history, {}
         probe = [a[:16] for a in x] if isinstance(x, tuple) else [x[:16]]
         predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
         model.save(os.path.join(OUT, kind + ".keras"))
         np.savez(os.path.join(OUT, kind + ".npz"), predictions=predictions, *probe)
-        result = {"history": {k: [float(v) for v in vs] for k, vs in history.history.items()},
-                  "calls": dict(user_models.CALLS)}
+        result = {"history": {k: [float(v) for v in vs] for k, vs in history.items()},
+                  "calls": dict(user_models.CALLS), "policy": model.dtype_policy.name, **extra}
     except Exception as e:
         result = {"error": type(e).__name__, "message": str(e)[:2000],
                   "traceback": traceback.format_exc()[-4000:]}
@@ -222,6 +255,27 @@ def train(strategy, kind, optimizer, full_batch):
         keras.mixed_precision.set_global_policy("float32")
     result.update(batches=batches.seen, seconds=time.time() - start)
     return result
+
+
+def fit(model, x, y, full_batch, epochs, callbacks):
+    if full_batch:
+        return model.fit(x, y, epochs=epochs, verbose=0, callbacks=callbacks)
+    return model.fit(stream(x, y), epochs=epochs, steps_per_epoch=STEPS, verbose=0,
+                     callbacks=callbacks)
+
+
+def make_or_restore(strategy, model, x, y, full_batch, batches):
+    """The guide's pattern: checkpoint every epoch, restore the latest under the scope, go on."""
+    checkpoint_dir = os.path.join(OUT, "ckpt")
+    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, "ckpt-{epoch}.keras"))
+    first = fit(model, x, y, full_batch, EPOCHS, [batches, checkpoint]).history
+    checkpoints = [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)]
+    latest = max(checkpoints, key=lambda path: int(path.split("-")[-1].split(".")[0]))
+    with strategy.scope():
+        model = keras.models.load_model(latest)
+    restored = int(model.optimizer.iterations.numpy())
+    second = fit(model, x, y, full_batch, 1, [batches]).history
+    return model, {k: first[k] + second[k] for k in first}, {"restored_iterations": restored}
 
 
 def run_all(strategy, optimizer, full_batch=False):
@@ -301,7 +355,7 @@ print("RESULT " + json.dumps(results), flush=True)
 STRATEGIES = ("downpour", "sandblaster", "compressed_mirrored", "compressed_multiworker",
               "model_parallel")
 KINDS = ("sequential", "functional_two_inputs", "subclassed", "custom_train_step",
-         "bn_dropout", "embedding", "mixed_float16", "mixed_bfloat16")
+         "bn_dropout", "embedding", "mixed_float16", "mixed_bfloat16", "checkpoint_restart")
 
 # Every strategy and every model kind at least once, in the default suite.
 DEFAULT_CELLS = {
@@ -342,6 +396,7 @@ KNOWN_FAILURES = {
         "TypeError: 'NoneType' object is not callable (train_function)",
 }
 
+POLICIES = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
 EXIT_GRACE = 30.0     # seconds a process may take to end after its last statement
 
 
@@ -382,7 +437,8 @@ class Run:
     def _start(self, out, env):
         log = open(self.directory / f"{out.name}.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "train.py", self.strategy, str(out), ",".join(self.kinds)],
+            [sys.executable, "train.py", self.strategy, str(out), ",".join(self.kinds),
+             json.dumps(POLICIES)],
             cwd=self.directory, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **env))
         return {"proc": proc, "out": out, "log": log}
@@ -480,7 +536,12 @@ def _check_trained(strategy, kind, result):
             f"the user's train_step did not run (user_steps: {steps}; logs: "
             f"{sorted(result['history'])})")
     if kind == "subclassed":
-        assert result["calls"]["subclassed"] > 0, "the user's call() never ran"
+        assert result["calls"]["model"] > 0, "the user's Model.call() never ran"
+        assert result["calls"]["layer"] > 0, "the user's Layer.call() never ran"
+    if kind == "checkpoint_restart":
+        assert result["restored_iterations"] > 0, "the optimizer state was not restored"
+        assert loss[EPOCHS] < loss[0], f"the restored model started over: {loss}"
+    assert result["policy"] == POLICIES.get(kind, "float32"), result["policy"]
     return True
 
 
