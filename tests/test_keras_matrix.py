@@ -339,7 +339,7 @@ elif STRATEGY == "model_parallel":
 else:
     raise ValueError(f"unknown strategy {STRATEGY!r}")
 extra = {}
-if STRATEGY in ("downpour", "sandblaster"):
+if os.environ.get("MATRIX_AFTER_CLUSTER_BLOCK"):
     extra["after_cluster_block"] = after_cluster_block()
 write(results, finished=time.time(), **extra)
 '''
@@ -427,7 +427,6 @@ def _cell(strategy, kind):
     return pytest.param(strategy, kind, marks=marks, id=f"{strategy}-{kind}")
 
 
-CELLS = [_cell(s, k) for s in STRATEGIES for k in KINDS]
 AFTER_BLOCK_FAILURES = {
     strategy: "issue 12 item 6: predict after the LocalCluster block raises a raw gRPC "
               "UnavailableError 'failed to connect to all addresses' (parameters on the ps)"
@@ -439,25 +438,32 @@ EXIT_FAILURES = {
 }
 
 
+CELLS = [_cell(s, k) for s in STRATEGIES for k in KINDS]
+
+
 class Run:
     """One training process (or two, for the multi-worker strategy) and its fresh-process load."""
 
-    def __init__(self, strategy, kinds, directory):
+    def __init__(self, strategy, kinds, directory, env=None):
         self.strategy, self.kinds, self.directory = strategy, list(kinds), directory
+        self.env = dict(env or {})
         (directory / "user_models.py").write_text(USER_MODELS)
         (directory / "train.py").write_text(TRAIN)
         (directory / "load.py").write_text(LOAD)
         self.deadline = 120 + 90 * len(self.kinds)
-        self.workers = self._train()
+        self.workers = []
         self.loaded = None
 
-    def _train(self):
+    def start(self):
+        """Starts the training process (one per worker, each with its TF_CONFIG)."""
         if self.strategy != "compressed_multiworker":
-            return [self._start(self.directory / "out", {})]
+            self.workers = [self._start(self.directory / "out", self.env)]
+            return self
         cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
-        return [self._start(self.directory / f"out{i}", {"TF_CONFIG": json.dumps(
-                    {"cluster": cluster, "task": {"type": "worker", "index": i}})})
-                for i in range(2)]
+        self.workers = [self._start(self.directory / f"out{i}", {**self.env, "TF_CONFIG": json.dumps(
+                            {"cluster": cluster, "task": {"type": "worker", "index": i}})})
+                        for i in range(2)]
+        return self
 
     def _start(self, out, env):
         log = open(self.directory / f"{out.name}.log", "w")
@@ -476,14 +482,19 @@ class Run:
                 finished = self._results(w).get("finished")
                 if (finished and time.time() - finished > EXIT_GRACE
                         or time.time() - start > self.deadline):
-                    w["proc"].kill()
-                    w["killed"] = time.time()
-                    w["proc"].wait()
+                    w["killed"] = True
                     break
                 time.sleep(0.5)
-            w["ended"] = w.get("killed") or time.time()
-            w["log"].close()
+        self.stop()
         return self
+
+    def stop(self):
+        """Kills whatever still runs (after the deadline, or when the test is interrupted)."""
+        for w in self.workers:
+            if w["proc"].poll() is None:
+                w["proc"].kill()
+                w["proc"].wait()
+            w["log"].close()
 
     @staticmethod
     def _results(worker):
@@ -531,15 +542,35 @@ class Run:
 _RUNS = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _stop_runs():
+    yield
+    for run in _RUNS.values():
+        run.stop()
+
+
 @pytest.fixture
 def run_of(request, tmp_path_factory):
-    """``run_of(strategy)``: the finished Run of that strategy, with every selected kind."""
-    def get(strategy):
+    """``run_of(strategy)``: the finished Run of that strategy, with every selected kind.
+
+    ``run_of(strategy, after_cluster_block=True)``: a separate run of one kind that
+    then uses the model after its LocalCluster block (kept apart so that what it
+    prints does not count against the exit check of the main run).
+    """
+    def get(strategy, after_cluster_block=False):
+        if after_cluster_block:
+            key = (strategy, "after_cluster_block")
+            if key not in _RUNS:
+                _RUNS[key] = Run(strategy, ["sequential"], tmp_path_factory.mktemp(key[1]),
+                                 env={"MATRIX_AFTER_CLUSTER_BLOCK": "1"})
+                _RUNS[key].start().wait()
+            return _RUNS[key]
         if strategy not in _RUNS:
             kinds = [k for k in KINDS if any(_params(item) == (strategy, k)
                                              for item in request.session.items)]
-            directory = tmp_path_factory.mktemp(strategy)
-            _RUNS[strategy] = Run(strategy, kinds or KINDS[:1], directory).wait()
+            _RUNS[strategy] = Run(strategy, kinds or KINDS[:1],
+                                  tmp_path_factory.mktemp(strategy))
+            _RUNS[strategy].start().wait()
         return _RUNS[strategy]
     return get
 
@@ -617,13 +648,14 @@ def test_sandblaster_model_loads_compiled_without_tfdist_ext(run_of):
     assert not errors, errors
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("strategy", [
     pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=AFTER_BLOCK_FAILURES[s])]
                  if s in AFTER_BLOCK_FAILURES else [], id=s) for s in ("downpour", "sandblaster")])
 def test_model_after_cluster_block(run_of, strategy):
     """Predicts as before once the LocalCluster has closed, or says what happened (item 6)."""
-    result = run_of(strategy).after_cluster_block()
+    result = run_of(strategy, after_cluster_block=True).after_cluster_block()
     if "error" in result:
         assert "failed to connect" not in result["error"], result["error"]
         assert "cluster" in result["error"].lower(), result["error"]
