@@ -403,8 +403,9 @@ KNOWN_FAILURES = {
     ("sandblaster", "custom_train_step"):
         "issue 12 item 1: the user's train_step neither runs (user_steps stays 0) nor is refused",
     ("sandblaster", "subclassed"):
-        "NEW, not in issue 12: a subclassed model not built before fit fails in "
-        "sandblaster/_vectors.py probe: ValueError from tf.add_n (no variables yet)",
+        "NEW, not in issue 12: a model without variables when fit starts (a subclassed "
+        "model: Keras builds it on the first batch) fails with ValueError from tf.add_n in "
+        "sandblaster/_vectors.py probe; calling the model on a batch first works",
     ("compressed_mirrored", "bn_dropout"):
         "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
         "statistics differ per replica, the saved model predicts replica 0's",
