@@ -1,0 +1,664 @@
+"""Issue 12 acceptance: real Keras programs x every strategy of the project.
+
+Each model kind is a program as Keras's own guides write it ("The Sequential
+model", "The Functional API", "Making new layers and models via subclassing",
+"Customizing what happens in fit()", "Mixed precision", and "Multi-GPU
+distributed training with TensorFlow" with its checkpoint-restart pattern).
+The user's code lives in their own module (``USER_MODELS``, written to
+``user_models.py``), which knows nothing of tfdist_ext. One training process
+per strategy (one cluster) runs every selected kind, as
+``with strategy.scope(): build + compile``, then ``fit``, ``predict`` and
+``save``. Each cell then checks that
+
+* the loss fell, and the user's own code ran where they wrote it (counters in
+  ``Layer.call`` and ``Model.call``, a metric updated by the user's
+  ``train_step``) -- or, where the strategy cannot honour it, that ``fit``
+  was refused at once (before the first batch) with a ``ValueError`` naming
+  the problem;
+* the ``.keras`` file loads in a fresh process that does not import
+  tfdist_ext and predicts what the training process predicted;
+
+and one cell per strategy checks that the training process ended by itself
+(exit code 0, no ``os._exit``, no gRPC connection errors) soon after its last
+statement.
+
+The default suite runs ``DEFAULT_CELLS`` (every strategy and every model kind
+at least once); the rest of the matrix is marked ``slow``. Cells that fail
+today are strict xfails naming the numbered failure of issue 12, or "NEW".
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tfdist_ext.cluster import free_port
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+USER_MODELS = r'''
+"""The user's models, as Keras's guides write them (no tfdist_ext here)."""
+import keras
+import tensorflow as tf
+
+CALLS = {"layer": 0, "model": 0}
+
+
+def sequential():
+    """"The Sequential model": a small CNN on 8x8 images."""
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(8, 3, activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(10),
+    ])
+
+
+def functional_two_inputs():
+    """"The Functional API": two inputs (top and bottom half of an image)."""
+    top = keras.Input((32,), name="top")
+    bottom = keras.Input((32,), name="bottom")
+    features = keras.layers.concatenate([
+        keras.layers.Dense(16, activation="relu")(top),
+        keras.layers.Dense(16, activation="relu")(bottom),
+    ])
+    return keras.Model([top, bottom], keras.layers.Dense(10)(features))
+
+
+@keras.saving.register_keras_serializable(package="user_models")
+class Linear(keras.layers.Layer):
+    """"Making new layers and models via subclassing": weights made in build()."""
+
+    def __init__(self, units=32, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(input_shape[-1], self.units),
+                                 initializer="random_normal", trainable=True)
+        self.b = self.add_weight(shape=(self.units,), initializer="zeros", trainable=True)
+
+    def call(self, inputs):
+        CALLS["layer"] += 1
+        return keras.ops.matmul(inputs, self.w) + self.b
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units}
+
+
+@keras.saving.register_keras_serializable(package="user_models")
+class MLP(keras.Model):
+    """The same guide: a model subclass built on the user's layer."""
+
+    def __init__(self, units=32, num_classes=10, **kwargs):
+        super().__init__(**kwargs)
+        self.units = units
+        self.num_classes = num_classes
+        self.hidden = Linear(units)
+        self.classifier = keras.layers.Dense(num_classes)
+
+    def call(self, inputs):
+        CALLS["model"] += 1
+        return self.classifier(keras.ops.relu(self.hidden(inputs)))
+
+    def get_config(self):
+        return {**super().get_config(), "units": self.units, "num_classes": self.num_classes}
+
+
+def subclassed():
+    return MLP()
+
+
+@keras.saving.register_keras_serializable(package="user_models")
+class CustomStepModel(keras.Model):
+    """"Customizing what happens in fit()": the guide's own train_step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.user_steps = keras.metrics.Sum(name="user_steps")
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
+        for metric in self.metrics:
+            if metric is self.user_steps:
+                metric.update_state(1.0)
+            elif metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+def custom_train_step():
+    inputs = keras.Input((64,))
+    hidden = keras.layers.Dense(32, activation="relu")(inputs)
+    return CustomStepModel(inputs, keras.layers.Dense(10)(hidden))
+
+
+def bn_dropout():
+    return keras.Sequential([
+        keras.Input((64,)),
+        keras.layers.Dense(32),
+        keras.layers.BatchNormalization(),
+        keras.layers.ReLU(),
+        keras.layers.Dropout(0.2),
+        keras.layers.Dense(10),
+    ])
+
+
+def embedding():
+    """A tiny sequence model on integer tokens."""
+    return keras.Sequential([
+        keras.Input((12,), dtype="int32"),
+        keras.layers.Embedding(50, 8),
+        keras.layers.GlobalAveragePooling1D(),
+        keras.layers.Dense(2),
+    ])
+
+
+def mixed_precision():
+    """"Mixed precision": build under the global policy, float32 outputs."""
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(32, activation="relu")(inputs)
+    x = keras.layers.Dense(10)(x)
+    return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(x))
+
+
+mixed_float16 = mixed_bfloat16 = mixed_precision
+
+
+def checkpoint_restart():
+    """"Multi-GPU distributed training with TensorFlow": the guide's functional model
+    (trained with ModelCheckpoint, then restored under the scope and continued)."""
+    inputs = keras.Input((64,))
+    x = keras.layers.Dense(256, activation="relu")(inputs)
+    x = keras.layers.Dense(256, activation="relu")(x)
+    return keras.Model(inputs, keras.layers.Dense(10)(x))
+'''
+
+TRAIN = r'''
+import json, os, sys, time, traceback
+import numpy as np
+import keras
+import tensorflow as tf
+import tfdist_ext
+from tfdist_ext import compression, datasets
+import user_models
+
+STRATEGY, OUT, KINDS = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+EPOCHS, STEPS, BATCH = 3, 6, 32
+POLICY = json.loads(sys.argv[4])
+os.makedirs(OUT, exist_ok=True)
+
+
+def data(kind):
+    if kind == "embedding":
+        rng = np.random.default_rng(0)
+        x = rng.integers(1, 50, size=(1024, 12)).astype("int32")
+        return x, ((x < 25).mean(1) > 0.5).astype("int64")
+    x, y = datasets.digits("train", flatten=kind != "sequential", as_numpy=True)
+    if kind == "functional_two_inputs":
+        return (x[:, :32], x[:, 32:]), y
+    return x, y
+
+
+def stream(x, y):
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=0).batch(BATCH).repeat()
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.with_options(options)
+
+
+class Batches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen += 1
+
+
+def train(strategy, kind, optimizer, full_batch):
+    x, y = data(kind)
+    user_models.CALLS.update(layer=0, model=0)
+    keras.mixed_precision.set_global_policy(POLICY.get(kind, "float32"))
+    batches = Batches()
+    start = time.time()
+    try:
+        with strategy.scope():
+            model = getattr(user_models, kind)()
+            model.compile(optimizer=optimizer(),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        if kind == "checkpoint_restart":
+            model, history, extra = make_or_restore(strategy, model, x, y, full_batch, batches)
+        else:
+            history, extra = fit(model, x, y, full_batch, EPOCHS, [batches]).history, {}
+        probe = [a[:16] for a in x] if isinstance(x, tuple) else [x[:16]]
+        predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
+        TRAINED[:] = [model, probe, predictions]
+        model.save(os.path.join(OUT, kind + ".keras"))
+        np.savez(os.path.join(OUT, kind + ".npz"), predictions=predictions, *probe)
+        result = {"history": {k: [float(v) for v in vs] for k, vs in history.items()},
+                  "calls": dict(user_models.CALLS), "policy": model.dtype_policy.name, **extra}
+    except Exception as e:
+        result = {"error": type(e).__name__, "message": str(e)[:2000],
+                  "traceback": traceback.format_exc()[-4000:]}
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    result.update(batches=batches.seen, seconds=time.time() - start)
+    return result
+
+
+TRAINED = []   # the last trained model, its probe inputs and predictions
+
+
+def after_cluster_block():
+    """The last trained model used after its LocalCluster block has closed."""
+    if not TRAINED:
+        return {"error": "no model was trained"}
+    model, probe, predictions = TRAINED
+    try:
+        again = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:2000]}
+    return {"max_diff": float(np.max(np.abs(again - predictions)))}
+
+
+def fit(model, x, y, full_batch, epochs, callbacks):
+    if full_batch:
+        return model.fit(x, y, epochs=epochs, verbose=0, callbacks=callbacks)
+    return model.fit(stream(x, y), epochs=epochs, steps_per_epoch=STEPS, verbose=0,
+                     callbacks=callbacks)
+
+
+def make_or_restore(strategy, model, x, y, full_batch, batches):
+    """The guide's pattern: checkpoint every epoch, restore the latest under the scope, go on."""
+    checkpoint_dir = os.path.join(OUT, "ckpt")
+    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, "ckpt-{epoch}.keras"))
+    first = fit(model, x, y, full_batch, EPOCHS, [batches, checkpoint]).history
+    checkpoints = [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)]
+    latest = max(checkpoints, key=lambda path: int(path.split("-")[-1].split(".")[0]))
+    with strategy.scope():
+        model = keras.models.load_model(latest)
+    restored = int(model.optimizer.iterations.numpy())
+    second = fit(model, x, y, full_batch, 1, [batches]).history
+    return model, {k: first[k] + second[k] for k in first}, {"restored_iterations": restored}
+
+
+def run_all(strategy, optimizer, full_batch=False):
+    results = {}
+    for kind in KINDS:
+        results[kind] = train(strategy, kind, optimizer, full_batch)
+        write(results)
+    return results
+
+
+def write(results, **extra):
+    with open(os.path.join(OUT, "results.json.tmp"), "w") as f:
+        json.dump({"kinds": results, **extra}, f)
+    os.replace(os.path.join(OUT, "results.json.tmp"), os.path.join(OUT, "results.json"))
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def ef_topk():
+    return compression.get("ef_topk", ratio=0.1)
+
+
+if STRATEGY == "downpour":
+    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
+        results = run_all(strategy, adam)
+elif STRATEGY == "sandblaster":
+    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
+        strategy = tfdist_ext.SandblasterStrategy(cluster.resolver)
+        results = run_all(strategy, lambda: tfdist_ext.optimizers.LBFGS(memory=10),
+                          full_batch=True)
+elif STRATEGY == "compressed_mirrored":
+    devices = tfdist_ext.cluster.logical_cpus(2)
+    strategy = tfdist_ext.CompressedMirroredStrategy(devices, compression=ef_topk())
+    results = run_all(strategy, adam)
+elif STRATEGY == "compressed_multiworker":
+    strategy = tfdist_ext.CompressedMultiWorkerMirroredStrategy(compression=ef_topk())
+    results = run_all(strategy, adam)
+elif STRATEGY == "model_parallel":
+    devices = tfdist_ext.cluster.logical_cpus(2)
+    strategy = tfdist_ext.ModelParallelStrategy(devices)
+    results = run_all(strategy, adam)
+else:
+    raise ValueError(f"unknown strategy {STRATEGY!r}")
+extra = {}
+if os.environ.get("MATRIX_AFTER_CLUSTER_BLOCK"):
+    extra["after_cluster_block"] = after_cluster_block()
+write(results, finished=time.time(), **extra)
+'''
+
+LOAD = r'''
+import json, sys
+import numpy as np
+import keras
+import user_models
+
+out, kinds = sys.argv[1], sys.argv[2].split(",")
+results = {}
+for kind in kinds:
+    try:
+        saved = np.load(f"{out}/{kind}.npz")
+        probe = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
+        results[kind] = {}
+        try:
+            model = keras.models.load_model(f"{out}/{kind}.keras")
+        except Exception as e:   # e.g. an optimizer class this process does not have
+            results[kind]["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
+            model = keras.models.load_model(f"{out}/{kind}.keras", compile=False)
+        predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
+        results[kind]["max_diff"] = float(np.max(np.abs(
+            predictions.astype("float32") - saved["predictions"].astype("float32"))))
+    except Exception as e:
+        results[kind] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+results["imported_tfdist_ext"] = "tfdist_ext" in sys.modules
+print("RESULT " + json.dumps(results), flush=True)
+'''
+
+STRATEGIES = ("downpour", "sandblaster", "compressed_mirrored", "compressed_multiworker",
+              "model_parallel")
+KINDS = ("sequential", "functional_two_inputs", "subclassed", "custom_train_step",
+         "bn_dropout", "embedding", "mixed_float16", "mixed_bfloat16", "checkpoint_restart")
+
+# Every strategy and every model kind at least once, in the default suite.
+DEFAULT_CELLS = {
+    ("downpour", "sequential"), ("downpour", "custom_train_step"), ("downpour", "mixed_float16"),
+    ("downpour", "checkpoint_restart"),
+    ("sandblaster", "custom_train_step"), ("sandblaster", "embedding"),
+    ("compressed_mirrored", "functional_two_inputs"), ("compressed_mirrored", "bn_dropout"),
+    ("compressed_multiworker", "subclassed"), ("compressed_multiworker", "mixed_bfloat16"),
+    ("model_parallel", "custom_train_step"), ("model_parallel", "subclassed"),
+}
+
+# Where a strategy cannot honour the user's code, fit must be refused at once
+# with a ValueError whose message contains this text.
+REFUSALS = {
+    ("sandblaster", "custom_train_step"): "train_step",
+    ("sandblaster", "mixed_float16"): "LossScaleOptimizer",   # L-BFGS has no loss scaling
+}
+
+# Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).
+KNOWN_FAILURES = {
+    ("downpour", "custom_train_step"):
+        "issue 12 item 1: the user's train_step never runs (its user_steps metric stays 0)",
+    ("downpour", "mixed_float16"):
+        "issue 12 item 2: ValueError: apply() must be called in a replica context. "
+        "(LossScaleOptimizer in the Downpour push)",
+    ("sandblaster", "custom_train_step"):
+        "issue 12 item 1: the user's train_step neither runs (user_steps stays 0) nor is refused",
+    ("sandblaster", "subclassed"):
+        "NEW, not in issue 12: a model without variables when fit starts (a subclassed "
+        "model: Keras builds it on the first batch) fails with ValueError from tf.add_n in "
+        "sandblaster/_vectors.py probe; calling the model on a batch first works",
+    ("compressed_mirrored", "bn_dropout"):
+        "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
+        "statistics differ per replica, the saved model predicts replica 0's",
+    ("compressed_multiworker", "bn_dropout"):
+        "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
+        "statistics differ per replica, the saved model predicts replica 0's",
+    ("model_parallel", "subclassed"):
+        "issue 12 item 7: a subclassed model fails in fit after the first batch: "
+        "TypeError: 'NoneType' object is not callable (train_function)",
+}
+
+POLICIES = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
+EXIT_GRACE = 30.0     # seconds a process may take to end after its last statement
+
+
+def _cell(strategy, kind):
+    marks = [] if (strategy, kind) in DEFAULT_CELLS else [pytest.mark.slow]
+    if (strategy, kind) in KNOWN_FAILURES:
+        marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[strategy, kind]))
+    return pytest.param(strategy, kind, marks=marks, id=f"{strategy}-{kind}")
+
+
+AFTER_BLOCK_FAILURES = {
+    strategy: "issue 12 item 6: predict after the LocalCluster block raises a raw gRPC "
+              "UnavailableError 'failed to connect to all addresses' (parameters on the ps)"
+    for strategy in ("downpour", "sandblaster")
+}
+EXIT_FAILURES = {
+    "downpour": "issue 12 item 5: the process exits 0 but prints hundreds of gRPC "
+                "'Connection refused' lines after the LocalCluster block",
+}
+
+
+CELLS = [_cell(s, k) for s in STRATEGIES for k in KINDS]
+
+
+class Run:
+    """One training process (or two, for the multi-worker strategy) and its fresh-process load."""
+
+    def __init__(self, strategy, kinds, directory, env=None):
+        self.strategy, self.kinds, self.directory = strategy, list(kinds), directory
+        self.env = dict(env or {})
+        (directory / "user_models.py").write_text(USER_MODELS)
+        (directory / "train.py").write_text(TRAIN)
+        (directory / "load.py").write_text(LOAD)
+        self.deadline = 120 + 90 * len(self.kinds)
+        self.workers = []
+        self.loaded = None
+
+    def start(self):
+        """Starts the training process (one per worker, each with its TF_CONFIG)."""
+        if self.strategy != "compressed_multiworker":
+            self.workers = [self._start(self.directory / "out", self.env)]
+            return self
+        cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+        self.workers = [self._start(self.directory / f"out{i}", {**self.env, "TF_CONFIG": json.dumps(
+                            {"cluster": cluster, "task": {"type": "worker", "index": i}})})
+                        for i in range(2)]
+        return self
+
+    def _start(self, out, env):
+        log = open(self.directory / f"{out.name}.log", "w")
+        proc = subprocess.Popen(
+            [sys.executable, "train.py", self.strategy, str(out), ",".join(self.kinds),
+             json.dumps(POLICIES)],
+            cwd=self.directory, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **env))
+        return {"proc": proc, "out": out, "log": log}
+
+    def wait(self):
+        """Waits for every process: until the deadline, then EXIT_GRACE after its last statement."""
+        start = time.time()
+        for w in self.workers:
+            while w["proc"].poll() is None:
+                finished = self._results(w).get("finished")
+                if (finished and time.time() - finished > EXIT_GRACE
+                        or time.time() - start > self.deadline):
+                    w["killed"] = True
+                    break
+                time.sleep(0.5)
+        self.stop()
+        return self
+
+    def stop(self):
+        """Kills whatever still runs (after the deadline, or when the test is interrupted)."""
+        for w in self.workers:
+            if w["proc"].poll() is None:
+                w["proc"].kill()
+                w["proc"].wait()
+            w["log"].close()
+
+    @staticmethod
+    def _results(worker):
+        try:
+            return json.loads((worker["out"] / "results.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def log(self, worker, tail=6000):
+        text = (self.directory / f"{worker['out'].name}.log").read_text()
+        return text[-tail:] if tail else text
+
+    def after_cluster_block(self):
+        result = self._results(self.workers[0]).get("after_cluster_block")
+        if result is None:
+            pytest.fail(f"no result after the cluster block; the log ends:\n{self.log(self.workers[0])}")
+        return result
+
+    def cell(self, kind):
+        """Each worker's result for ``kind``; fails with the worker's log if it has none."""
+        results = []
+        for w in self.workers:
+            result = self._results(w).get("kinds", {}).get(kind)
+            if result is None:
+                pytest.fail(f"no result for {kind!r}; the process log ends:\n{self.log(w)}")
+            results.append(result)
+        return results
+
+    def load(self):
+        """Loads every saved model in a fresh process without tfdist_ext (once)."""
+        if self.loaded is None:
+            out = self.workers[0]["out"]
+            saved = [k for k in self.kinds if (out / f"{k}.keras").exists()]
+            env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+            proc = subprocess.run(
+                [sys.executable, "load.py", str(out), ",".join(saved)], cwd=self.directory,
+                capture_output=True, text=True, timeout=60 + 20 * len(saved),
+                stdin=subprocess.DEVNULL, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            assert lines, f"loader failed:\n{proc.stderr[-4000:]}"
+            self.loaded = json.loads(lines[-1][len("RESULT "):])
+        return self.loaded
+
+
+_RUNS = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_runs():
+    yield
+    for run in _RUNS.values():
+        run.stop()
+
+
+@pytest.fixture
+def run_of(request, tmp_path_factory):
+    """``run_of(strategy)``: the finished Run of that strategy, with every selected kind.
+
+    ``run_of(strategy, after_cluster_block=True)``: a separate run of one kind that
+    then uses the model after its LocalCluster block (kept apart so that what it
+    prints does not count against the exit check of the main run).
+    """
+    def get(strategy, after_cluster_block=False):
+        if after_cluster_block:
+            key = (strategy, "after_cluster_block")
+            if key not in _RUNS:
+                _RUNS[key] = Run(strategy, ["sequential"], tmp_path_factory.mktemp(key[1]),
+                                 env={"MATRIX_AFTER_CLUSTER_BLOCK": "1"})
+                _RUNS[key].start().wait()
+            return _RUNS[key]
+        if strategy not in _RUNS:
+            kinds = [k for k in KINDS if any(_params(item) == (strategy, k)
+                                             for item in request.session.items)]
+            _RUNS[strategy] = Run(strategy, kinds or KINDS[:1],
+                                  tmp_path_factory.mktemp(strategy))
+            _RUNS[strategy].start().wait()
+        return _RUNS[strategy]
+    return get
+
+
+def _params(item):
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return params.get("strategy"), params.get("kind")
+
+
+def _check_trained(strategy, kind, result):
+    if "error" in result:
+        expected = REFUSALS.get((strategy, kind))
+        assert expected is not None, (
+            f"{strategy} x {kind}: fit failed with {result['error']}: {result['message']}\n"
+            f"{result['traceback']}")
+        assert result["error"] == "ValueError", result["traceback"]
+        assert expected in result["message"], result["message"]
+        assert result["batches"] == 0, "refused only after training had started"
+        return False
+    loss = result["history"]["loss"]
+    assert loss[-1] < loss[0], f"the loss did not fall: {loss}"
+    if kind == "custom_train_step":
+        steps = result["history"].get("user_steps")
+        assert steps and steps[-1] > 0, (
+            f"the user's train_step did not run (user_steps: {steps}; logs: "
+            f"{sorted(result['history'])})")
+    if kind == "subclassed":
+        assert result["calls"]["model"] > 0, "the user's Model.call() never ran"
+        assert result["calls"]["layer"] > 0, "the user's Layer.call() never ran"
+    if kind == "checkpoint_restart":
+        assert result["restored_iterations"] > 0, "the optimizer state was not restored"
+    assert result["policy"] == POLICIES.get(kind, "float32"), result["policy"]
+    return True
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy,kind", CELLS)
+def test_keras_program_runs_under_strategy(run_of, strategy, kind):
+    run = run_of(strategy)
+    trained = [_check_trained(strategy, kind, result) for result in run.cell(kind)]
+    if not trained[0]:
+        return
+    loaded = run.load()
+    assert loaded["imported_tfdist_ext"] is False
+    assert "error" not in loaded[kind], loaded[kind]["error"]
+    if strategy != "sandblaster":   # see test_sandblaster_model_loads_compiled_without_tfdist_ext
+        assert "compile_error" not in loaded[kind], loaded[kind]["compile_error"]
+    tolerance = 1e-2 if kind.startswith("mixed") else 1e-4
+    assert loaded[kind]["max_diff"] <= tolerance, loaded[kind]
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy", [
+    pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=EXIT_FAILURES[s])]
+                 if s in EXIT_FAILURES else [], id=s) for s in STRATEGIES])
+def test_training_process_exits_by_itself(run_of, strategy):
+    run = run_of(strategy)
+    for w in run.workers:
+        assert "killed" not in w, (
+            f"the process did not end within {EXIT_GRACE:.0f} s of its last statement "
+            f"(or the {run.deadline} s deadline); its log ends:\n{run.log(w)}")
+        assert w["proc"].returncode == 0, run.log(w)
+        assert "Connection refused" not in run.log(w, tail=None), run.log(w)
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.xfail(strict=True, reason=(
+    "NEW, not in issue 12: keras.models.load_model of a model compiled with "
+    "tfdist_ext.optimizers.LBFGS fails without tfdist_ext: TypeError: Could not locate "
+    "class 'LBFGS' (compile=False loads and predicts the same)"))
+def test_sandblaster_model_loads_compiled_without_tfdist_ext(run_of):
+    loaded = run_of("sandblaster").load()
+    errors = {kind: r["compile_error"] for kind, r in loaded.items()
+              if isinstance(r, dict) and "compile_error" in r}
+    assert not errors, errors
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("strategy", [
+    pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=AFTER_BLOCK_FAILURES[s])]
+                 if s in AFTER_BLOCK_FAILURES else [], id=s) for s in ("downpour", "sandblaster")])
+def test_model_after_cluster_block(run_of, strategy):
+    """Predicts as before once the LocalCluster has closed, or says what happened (item 6)."""
+    result = run_of(strategy, after_cluster_block=True).after_cluster_block()
+    if "error" in result:
+        assert "failed to connect" not in result["error"], result["error"]
+        assert "cluster" in result["error"].lower(), result["error"]
+    else:
+        assert result["max_diff"] <= 1e-5, result
