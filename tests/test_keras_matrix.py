@@ -390,31 +390,17 @@ DEFAULT_CELLS = {
 # with a ValueError whose message contains this text.
 REFUSALS = {
     ("sandblaster", "custom_train_step"): "train_step",
-    ("sandblaster", "mixed_float16"): "LossScaleOptimizer",   # L-BFGS has no loss scaling
+    ("sandblaster", "mixed_float16"): "mixed_float16",   # L-BFGS has no loss scaling
 }
 
 # Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).
 KNOWN_FAILURES = {
-    ("downpour", "custom_train_step"):
-        "issue 12 item 1: the user's train_step never runs (its user_steps metric stays 0)",
-    ("downpour", "mixed_float16"):
-        "issue 12 item 2: ValueError: apply() must be called in a replica context. "
-        "(LossScaleOptimizer in the Downpour push)",
-    ("sandblaster", "custom_train_step"):
-        "issue 12 item 1: the user's train_step neither runs (user_steps stays 0) nor is refused",
-    ("sandblaster", "subclassed"):
-        "NEW, not in issue 12: a model without variables when fit starts (a subclassed "
-        "model: Keras builds it on the first batch) fails with ValueError from tf.add_n in "
-        "sandblaster/_vectors.py probe; calling the model on a batch first works",
     ("compressed_mirrored", "bn_dropout"):
         "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
         "statistics differ per replica, the saved model predicts replica 0's",
     ("compressed_multiworker", "bn_dropout"):
         "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
         "statistics differ per replica, the saved model predicts replica 0's",
-    ("model_parallel", "subclassed"):
-        "issue 12 item 7: a subclassed model fails in fit after the first batch: "
-        "TypeError: 'NoneType' object is not callable (train_function)",
 }
 
 POLICIES = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}

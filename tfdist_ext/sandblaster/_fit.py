@@ -16,16 +16,23 @@ import inspect
 import keras
 import numpy as np
 import tensorflow as tf
-from tfdist_ext import _integration
 
+from tfdist_ext import _integration
 from tfdist_ext.sandblaster._lbfgs import LBFGSRun
 from tfdist_ext.sandblaster._optimizer import LBFGS
+
 
 def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
     _refuse_custom_train_step(model)
     arguments = inspect.signature(keras_fit).bind(model, *args, **kwargs).arguments
     arguments.pop("self", None)
     optimizer = model.optimizer
+    if isinstance(getattr(optimizer, "inner_optimizer", None), LBFGS):
+        raise ValueError(
+            "SandblasterStrategy: the 'mixed_float16' dtype policy wrapped the LBFGS "
+            "optimizer in a LossScaleOptimizer; L-BFGS has no loss scaling (its line "
+            "search needs the exact loss and gradient). Use the 'mixed_bfloat16' or "
+            "'float32' policy for this model.")
     if not isinstance(optimizer, LBFGS):
         raise ValueError(
             "SandblasterStrategy: compile the model with "
@@ -39,6 +46,7 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
         (x, y, sample_weight), arguments["validation_data"] = (
             _integration.train_validation_split((x, y, sample_weight), validation_split=split))
     data = materialize(x, y, sample_weight, "fit")
+    _build_from_data(model, strategy, data)
     for key in ("batch_size", "shuffle", "class_weight"):
         arguments.pop(key, None)
     run = _continued_run(model, strategy, data, optimizer)
@@ -57,6 +65,25 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
     optimizer._set_result(result)
     history.result = result
     return history
+
+
+def _build_from_data(model, strategy, data):
+    """Creates the variables of a model Keras would build on its first batch.
+
+    L-BFGS needs every parameter before the first iteration, and a subclassed
+    model has none until it is called: call it once on two examples, under the
+    strategy's scope so that its variables go to the ``ps`` tasks.
+    """
+    if model.trainable_variables:
+        return
+    x, _, _ = _integration.unpack_x_y_sample_weight(data)
+    with strategy.scope():
+        _integration.call_model(model, tf.nest.map_structure(lambda a: a[:2], x),
+                                training=False)
+    if not model.trainable_variables:
+        raise ValueError(
+            f"SandblasterStrategy: model {model.name!r} has no trainable weights "
+            "after a call on the training data; there is nothing for L-BFGS to fit")
 
 
 def _refuse_custom_train_step(model):
