@@ -108,7 +108,7 @@ class DownpourStrategy(ParameterServerBase):
         self.model_devices = model_devices
         self.plan = None
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
-        self.coordinator = _integration.ClusterCoordinator(self)
+        self.coordinator = _integration.ClosableClusterCoordinator(self)
         self.stats = DownpourStats()
         self._sources = []
         self._per_worker_iterators = []
@@ -141,10 +141,20 @@ class DownpourStrategy(ParameterServerBase):
         return math.lcm(self.n_fetch, self.n_push)
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        self._check_open()
         return _fit.downpour_fit(model, self, keras_fit, *args, **kwargs)
 
     def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
         return _fit.epoch_logs(model, logs, keras_epoch_logs)
+
+    def _stop_runtime(self):
+        """Stops the coordinator's threads; drops the per-worker iterators and rounds."""
+        self.coordinator.shutdown()
+        self._rounds.clear()
+        self._per_worker_iterators.clear()
+        self._sources.clear()
+        self._worker_index = None
+        self._server_version = None
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.
