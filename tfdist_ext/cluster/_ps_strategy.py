@@ -15,7 +15,6 @@ import threading
 import types
 
 import keras
-
 import numpy as np
 import tensorflow as tf
 
@@ -214,13 +213,17 @@ class ParameterServerBase(_PSSV2):
                 "them. Save checkpoints during fit (keras.callbacks.ModelCheckpoint or "
                 "BackupAndRestore) to keep them."
             ) from None
+        # ResourceVariable itself, not tf.Variable: no variable creator (this
+        # strategy's scope may be open) places the copies back on the cluster.
         with tf.init_scope(), _integration.colocate_with(None, ignore_existing=True):
             for v, value in zip(remote, values):
-                _integration.replace_variable_value(
-                    v, tf.Variable(value, dtype=v.dtype, trainable=v.trainable, name=v.name))
+                _integration.replace_variable_value(v, _integration.ResourceVariable(
+                    value, dtype=v.dtype, trainable=v.trainable, name=v.name))
 
     def _keras_objects(self):
-        """Models and optimizers (with variables) built under this strategy."""
+        """Models and optimizers built under this strategy, among the live objects
+        of this process (Keras keeps no registry of models, and a strategy sees a
+        model only when it trains it)."""
         models, optimizers = [], []
         for obj in gc.get_objects():
             if isinstance(obj, keras.Model):
