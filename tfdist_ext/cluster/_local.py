@@ -262,8 +262,8 @@ class LocalCluster:
             return False
         try:
             self.stop()
-        except ClusterError as e:   # do not hide the error that ended the block
-            logging.getLogger("tfdist_ext").warning("%s", e)
+        except Exception as e:  # noqa: BLE001 - do not hide the error that ended the block
+            logging.getLogger("tfdist_ext").warning("LocalCluster: while stopping: %s", e)
         return False
 
     def start(self):
@@ -487,13 +487,15 @@ def _shutdown(strategies, tasks, raise_errors=True):
     """Closes every strategy, then stops the tasks; the first error a strategy
     raised is re-raised at the end (logged instead at garbage collection or exit)."""
     errors = []
-    for strategy in list(strategies):
-        try:
-            strategy.close()
-        except ClusterError as e:
-            errors.append(e)
-    strategies.clear()
-    _stop_all(tasks)
+    try:
+        for strategy in list(strategies):
+            try:
+                strategy.close()
+            except ClusterError as e:
+                errors.append(e)
+        strategies.clear()
+    finally:
+        _stop_all(tasks)
     if errors and raise_errors:
         raise errors[0]
     for error in errors:
