@@ -388,10 +388,11 @@ if ClusterCoordinator is not None:
             if cluster is None:
                 return
             handler = cluster.failure_handler
-            if hasattr(handler, "_should_preemption_thread_run"):
+            wake = getattr(handler, "_cluster_due_for_update_or_finish", None)
+            if wake is not None:   # WorkerPreemptionHandler: stop() without its lock
                 handler._should_preemption_thread_run = False
-                handler._cluster_due_for_update_or_finish.set()
-            else:
+                wake.set()
+            else:                  # the coordination-service handler's stop() does not block
                 handler.stop()
             for worker in cluster.workers:
                 worker.stop()
