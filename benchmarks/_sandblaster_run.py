@@ -8,7 +8,6 @@ via plain Keras ``fit`` until a target loss).
 """
 
 import json
-import os
 import sys
 import time
 
@@ -97,7 +96,6 @@ def task_scipy(cfg):
                "function_evals": history.history["function_evals"],
                "vector_op_bytes": model._sandblaster_run.op_bytes}
         print("RESULT " + json.dumps(out), flush=True)
-    os._exit(0)
 
 
 def task_straggler(cfg):
@@ -152,7 +150,6 @@ def task_straggler(cfg):
             for name in names[r % 3:] + names[:r % 3]:
                 samples[name].append(timed(*configs[name]))
         print("RESULT " + json.dumps(samples), flush=True)
-    os._exit(0)
 
 
 def task_scaling(cfg):
@@ -183,7 +180,6 @@ def task_scaling(cfg):
             "seconds_per_iteration": seconds / r.nit, "nit": r.nit, "nfev": r.nfev,
             "pass_seconds": float(np.median([p.seconds for p in passes])), "fun": r.fun,
         }), flush=True)
-    os._exit(0)
 
 
 def task_sgd(cfg):
@@ -215,7 +211,6 @@ def task_sgd(cfg):
             break
     print("RESULT " + json.dumps({"reached": {str(k): v for k, v in reached.items()},
                                   "final_loss": loss, "epochs": epoch}), flush=True)
-    os._exit(0)
 
 
 def main():

@@ -99,7 +99,6 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     np.testing.assert_allclose(checkpointed.predict(x_test, verbose=0), logits, rtol=1e-5, atol=1e-5)
     assert int(checkpointed.optimizer.iterations.numpy()) > 0
     print("RELOADED_OK", flush=True)
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     h = r["history"]
@@ -148,7 +147,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
             fetches=s["fetches"], push=s["push_bytes_per_step"], fetch=s["fetch_bytes_per_step"],
             params=params, iterations=int(model.optimizer.iterations.numpy()))
     report(**out)
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     for name, n in (("Adagrad-1", 1), ("SGD-5", 5), ("Adam-4", 4), ("SGD-2", 2)):
@@ -185,7 +183,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
                   verbose=0, callbacks=[Chaos()])
     report(history=h.history, stats=strategy.stats.summary(), marks=marks,
            final=dict(strategy.stats.steps_per_worker))
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     assert r["marks"]["killed_alive"] is False
@@ -214,7 +211,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     finite = all(bool(np.isfinite(v.numpy()).all()) for v in model.variables)
     report(rejected=h.history["rejected_pushes"], pushes=h.history["pushes"], finite=finite,
            warnings=[str(w.message) for w in caught if "NaN" in str(w.message)])
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == 30
@@ -231,7 +227,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         model = compile(mlp())
     model.fit(digits_train(), epochs=1, steps_per_epoch=60, verbose=0)
     report(staleness=strategy.stats.staleness)
-    os._exit(0)
 """, timeout=280)
     staleness = _result(proc)["staleness"]
     assert len(staleness) == 60
@@ -272,7 +267,6 @@ try:
 except Exception as e:
     report(ok=False, error=type(e).__name__, message=str(e), seconds=time.time() - start,
            losses=losses)
-os._exit(0)
 """
         first = _result(script(chief, timeout=200, env={"KILL_PS": "1"}))
         assert first["ok"] is False
@@ -342,7 +336,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     scatters = set(op_devices(strategy, "ScatterNd"))
     report(push=h.history["push_bytes_per_step"], dense=dense, val=h.history["val_accuracy"],
            scatters=sorted(scatters))
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     # TopK(0.05) sends 5% of the entries as float32 values + int32 indices.
@@ -384,7 +377,6 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
     report(val=h.history["val_accuracy"], plan=strategy.plan.layer_devices, matmuls=matmuls,
            variables=sorted({v.value.device for v in model.trainable_variables}),
            backward=backward)
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     # Each backward matmul runs on its layer's stage device (d(input) of d1 is
@@ -426,7 +418,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     report(loss1=h1.history["loss"], rate_at_end=float(scheduled.optimizer.learning_rate.numpy()),
            expected=float(schedule(step)), loss2=h2.history["loss"],
            rates=h2.history["learning_rate"])
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     # The schedule runs on the server with the optimizer: after warm-up the

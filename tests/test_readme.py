@@ -16,11 +16,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 
 # Blocks that fail today because of a numbered failure of issue 12, by section.
-KNOWN_FAILURES = {
-    "downpour-in-five-lines": "issue 12 item 5: leaving the LocalCluster block prints ~100 gRPC "
-                              "'Connection refused' lines (ClusterCoordinator not shut down)",
-}
-
 
 def python_blocks(text):
     """``(section slug, code)`` for each ```python block, in order."""
@@ -34,10 +29,7 @@ def python_blocks(text):
 
 
 def _block(section, code):
-    marks = []
-    if section in KNOWN_FAILURES:
-        marks.append(pytest.mark.xfail(strict=True, reason=KNOWN_FAILURES[section]))
-    return pytest.param(code, marks=marks, id=section)
+    return pytest.param(code, id=section)
 
 
 with open(README, encoding="utf-8") as f:

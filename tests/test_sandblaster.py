@@ -183,8 +183,6 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
            loaded_optimizer=type(loaded.optimizer).__name__,
            loaded_same=bool(np.allclose(loaded.predict(x[:20], verbose=0),
                                         model.predict(x[:20], verbose=0), atol=1e-5)))
-    sys.stdout.flush()
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     assert r["first"] == 40 and r["status"] == 0, r
@@ -240,8 +238,6 @@ with LocalCluster(num_workers=3, num_ps=1) as cluster:
            lost=sorted({w for p in after for w in p.lost_workers}),
            last_per_worker=after[-1].slices_per_worker,
            loss_now=float(numpy_loss(w.numpy(), b.numpy())), fun=killed.fun)
-    sys.stdout.flush()
-    os._exit(0)
 """, timeout=280)
     r = _result(proc)
     # Every pass counted each of its 12 slices exactly once.
@@ -286,8 +282,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
            loss_now=float(numpy_loss(w.numpy(), b.numpy())),
            norm=float(np.linalg.norm(w.numpy())), message2=message2,
            w2_untouched=bool(np.all(w2.numpy() == 1.0)))
-    sys.stdout.flush()
-    os._exit(0)
 """, timeout=240)
     r = _result(proc)
     assert r["message"] and "NaN or Inf" in r["message"], r
@@ -316,8 +310,6 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         error = str(e)
     report(error=error, seconds=time.time() - t0)
     os.kill(cluster.pid("worker", 1), signal.SIGCONT)
-    sys.stdout.flush()
-    os._exit(0)
 """, timeout=120)
     r = _result(proc)
     assert r["error"] and "no slice finished for 5 s" in r["error"], r
@@ -359,8 +351,6 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         loss_fn, [w, b], tf.data.Dataset.from_tensor_slices((x, y)).batch(100),
         strategy=strategy, max_iterations=5)
     report(errors=errors, f1=r1.fun, f2=r2.fun, nit=r2.nit)
-    sys.stdout.flush()
-    os._exit(0)
 """, timeout=200)
     r = _result(proc)
     e = r["errors"]

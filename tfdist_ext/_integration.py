@@ -47,9 +47,12 @@ Keras is pinned in ``setup.cfg`` to :data:`KERAS_TESTED`'s range; CI tests
 both ends (tox envs ``keras-oldest`` and ``keras-newest``).
 """
 
+import contextlib
 import contextvars
 import functools
 import inspect
+import os
+import sys
 import threading
 
 import keras
@@ -249,6 +252,22 @@ if coordinator_lib is not None and coordinator_values is not None:
     _check_source(coordinator_lib.Cluster.__init__, "self.workers = ")
     _check_source(coordinator_values.RemoteValueImpl.__init__, "self._status = ")
     _check_source(coordinator_values.RemoteValueImpl.__init__, "self._type_spec = ")
+
+# lifecycle (clean exit, parameters back on the chief): the coordinator's
+# threads are stopped without ``WorkerPreemptionHandler.stop``, which waits for
+# a lock the recovery thread holds as long as a killed worker stays down.
+if coordinator_lib is not None:
+    _check(coordinator_lib, "Cluster")
+    _check(coordinator_lib.Cluster, "stop")
+    _check(coordinator_lib, "WorkerPreemptionHandler")
+    _check(coordinator_lib.WorkerPreemptionHandler, "_preemption_handler")
+    _check(coordinator_lib, "Worker")
+    _check(coordinator_lib.Worker, "stop")
+if eager_context is not None:
+    _check(eager_context, "get_server_def")
+    _check(eager_context.Context, "update_server_def", params=("server_def",))
+if keras.Variable is not None:
+    _check(keras.Variable, "_initialize", params=("value",))
 
 if _problems:
     raise ImportError(
@@ -554,3 +573,120 @@ def serialized_dataset_graph(dataset):
         strip_device_assignment=True,
         external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
     ).numpy()
+
+# -- lifecycle: clean exit and parameters back on the chief --------------------
+
+if ClusterCoordinator is not None:
+
+    class ClosableClusterCoordinator(ClusterCoordinator):
+        """TensorFlow's ``ClusterCoordinator`` that can be shut down without hanging.
+
+        TensorFlow stops a coordinator only in ``__del__``, through
+        ``WorkerPreemptionHandler.stop``, which takes the lock that the
+        recovery thread holds while it waits for a killed worker to come
+        back: with a worker down, interpreter exit hung for good. Here
+        :meth:`shutdown` asks every coordinator thread to stop without that
+        lock, and ``__del__`` does the same.
+        """
+
+        def __init__(self, strategy):
+            super().__init__(strategy)
+            handler = self._cluster.failure_handler
+            server_def = getattr(handler, "_server_def", None)
+            if server_def is not None and server_def.HasField("cluster_device_filters"):
+                # Recovery re-sends the server def; TensorFlow ignores the
+                # filters then and logs a warning each time it sees them.
+                handler._server_def = _without_device_filters(server_def)
+
+        def shutdown(self):
+            """Stops the worker, recovery and queue threads; never blocks (idempotent)."""
+            cluster = getattr(self, "_cluster", None)
+            if cluster is None:
+                return
+            handler = cluster.failure_handler
+            wake = getattr(handler, "_cluster_due_for_update_or_finish", None)
+            if wake is not None:   # WorkerPreemptionHandler: stop() without its lock
+                handler._should_preemption_thread_run = False
+                wake.set()
+            else:                  # the coordination-service handler's stop() does not block
+                handler.stop()
+            for worker in cluster.workers:
+                worker.stop()
+            cluster.closure_queue.stop()
+            cluster.resource_cancellation_mgr.start_cancel()
+
+        def __del__(self):
+            self.shutdown()
+
+
+def _without_device_filters(server_def):
+    copy = type(server_def)()
+    copy.CopyFrom(server_def)
+    copy.ClearField("cluster_device_filters")
+    return copy
+
+
+def disconnect_from_cluster():
+    """Makes the eager runtime of this process local again (its own job only).
+
+    TensorFlow closes its contexts on the other tasks. Functions and tensors
+    deleted afterwards are then removed here only, instead of by one RPC per
+    task -- to tasks that, once the cluster has stopped, refuse the
+    connection (hundreds of error lines at exit). Returns whether the
+    process was connected.
+    """
+    server_def = eager_context.get_server_def()
+    if server_def is None:
+        return False
+    local = _without_device_filters(server_def)
+    jobs = [job for job in local.cluster.job if job.name == local.job_name]
+    del local.cluster.job[:]
+    local.cluster.job.extend(jobs)
+    eager_context.context().update_server_def(local)
+    return True
+
+
+_GRPC_CONTINUATION = (b":UNKNOWN:", b"This could happen")
+
+
+@contextlib.contextmanager
+def native_log_without(patterns):
+    """Drops, for the block, the lines written to file descriptor 2 (where
+    TensorFlow's C++ runtime logs) that contain one of ``patterns`` (bytes);
+    everything else goes through unchanged (a dropped line's gRPC status
+    continuation lines are dropped with it)."""
+    if not patterns:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.dup2(write_end, 2)
+    os.close(write_end)
+
+    def pump():
+        dropped = False
+        with os.fdopen(read_end, "rb") as lines:
+            for line in lines:
+                # A gRPC status continues on lines of its own.
+                continued = dropped and line.startswith(_GRPC_CONTINUATION)
+                dropped = continued or any(p in line for p in patterns)
+                if not dropped:
+                    os.write(saved, line)
+
+    thread = threading.Thread(target=pump, name="tfdist-stderr-filter", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)   # closes the pipe's last write end: the pump sees EOF
+        thread.join(timeout=5.0)
+        os.close(saved)
+
+
+def replace_variable_value(variable, value):
+    """Points a Keras variable at another ``tf.Variable`` (Keras's own
+    ``_initialize`` path for a ``tf.Variable`` value)."""
+    variable._value = None
+    variable._initialize(value)

@@ -15,6 +15,7 @@ task of a local cluster through it.
 
 import argparse
 import os
+import signal
 import sys
 import threading
 import time
@@ -25,11 +26,16 @@ from tfdist_ext.cluster._tf_config import parse_tf_config
 
 
 def _watch_parent(parent_pid, interval=0.5):
+    """Stops this task once its parent is gone (this process was re-parented).
+
+    The task is stopped the way ``LocalCluster.stop`` stops it, with SIGTERM:
+    a gRPC ``tf.distribute.Server`` has no clean stop of its own, and a full
+    interpreter shutdown with the server running takes seconds.
+    """
     def watch():
-        while True:
-            if os.getppid() != parent_pid:
-                os._exit(0)
+        while os.getppid() == parent_pid:
             time.sleep(interval)
+        os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 

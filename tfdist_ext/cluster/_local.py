@@ -6,6 +6,7 @@ Public names are re-exported by :mod:`tfdist_ext.cluster`.
 import atexit
 import contextlib
 import json
+import logging
 import os
 import re
 import signal
@@ -24,6 +25,8 @@ _PACKAGE_PARENT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
 _DEVICE_RE = re.compile(rb"/job:[a-z_]+/replica:\d+/task:\d+/device:[A-Z_]+:\d+")
+#: Running LocalClusters of this process, for strategies to find theirs.
+_RUNNING = weakref.WeakSet()
 
 
 class ClusterError(RuntimeError):
@@ -158,6 +161,14 @@ class LocalCluster:
     status request. Every process is stopped on exit, also when the body
     raises; a task whose parent dies exits by itself within a second.
 
+    A strategy built on :attr:`resolver` (``DownpourStrategy``,
+    ``SandblasterStrategy``) registers with the cluster; when the cluster
+    stops, it first closes each of them (``strategy.close()``): their threads
+    stop, the final parameters of their models come back to this process,
+    and this process disconnects. After the block, the models work as plain
+    single-process Keras models (``get_weights``, ``evaluate``, ``predict``,
+    ``save``), and the script ends by itself without RPC errors.
+
     Args:
       num_workers: number of ``worker`` tasks (>= 1).
       num_ps: number of ``ps`` tasks (>= 0).
@@ -234,7 +245,9 @@ class LocalCluster:
             for i, address in enumerate(spec.get(job, ()))
         }
         self._started = False
-        self._finalizer = weakref.finalize(self, _stop_all, list(self._tasks.values()))
+        self._strategies = weakref.WeakSet()
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self._strategies, list(self._tasks.values()), False)
         atexit.register(self._finalizer)
 
     # -- lifecycle -----------------------------------------------------------
@@ -243,8 +256,14 @@ class LocalCluster:
         self.start()
         return self
 
-    def __exit__(self, *exc):
-        self.stop()
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.stop()
+            return False
+        try:
+            self.stop()
+        except Exception as e:  # noqa: BLE001 - do not hide the error that ended the block
+            logging.getLogger("tfdist_ext").warning("LocalCluster: while stopping: %s", e)
         return False
 
     def start(self):
@@ -252,6 +271,7 @@ class LocalCluster:
         if self._started:
             raise ClusterError("LocalCluster.start: the cluster is already running")
         self._started = True
+        _RUNNING.add(self)
         try:
             for task in self._tasks.values():
                 task.start(self._spec, self._server_args(task.job), self._task_env())
@@ -262,8 +282,15 @@ class LocalCluster:
         return self
 
     def stop(self):
-        """Stops every task process (SIGTERM, then SIGKILL); idempotent."""
-        _stop_all(list(self._tasks.values()))
+        """Closes the strategies connected to the cluster, then stops every task
+        process (SIGTERM, then SIGKILL); idempotent.
+
+        Raises:
+          ClusterError: a strategy could not bring its parameters back (its
+            ``ps`` task had died); the tasks are stopped all the same.
+        """
+        _RUNNING.discard(self)
+        _shutdown(self._strategies, list(self._tasks.values()))
 
     def kill(self, job, index, sig=signal.SIGKILL, timeout=10.0):
         """Kills one task's process (SIGKILL by default) and waits for it to die."""
@@ -442,6 +469,37 @@ def _signal(pid, sig):
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def attach_to_local_cluster(cluster_resolver, strategy):
+    """Registers ``strategy`` with the running LocalCluster it connects to, if any,
+    so that the cluster closes it before stopping. Returns that cluster or ``None``."""
+    spec = {job: list(addresses)
+            for job, addresses in cluster_resolver.cluster_spec().as_dict().items()}
+    for cluster in list(_RUNNING):
+        if cluster._spec == spec:
+            cluster._strategies.add(strategy)
+            return cluster
+    return None
+
+
+def _shutdown(strategies, tasks, raise_errors=True):
+    """Closes every strategy, then stops the tasks; the first error a strategy
+    raised is re-raised at the end (logged instead at garbage collection or exit)."""
+    errors = []
+    try:
+        for strategy in list(strategies):
+            try:
+                strategy.close()
+            except ClusterError as e:
+                errors.append(e)
+        strategies.clear()
+    finally:
+        _stop_all(tasks)
+    if errors and raise_errors:
+        raise errors[0]
+    for error in errors:
+        logging.getLogger("tfdist_ext").warning("%s", error)
 
 
 def _stop_all(tasks):

@@ -10,12 +10,16 @@ task pinged with a deadline before TensorFlow connects (a dead task is a clear
 error, not a hang). Importing this module imports TensorFlow.
 """
 
+import gc
 import threading
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.cluster._local import ClusterError
+from tfdist_ext.cluster._local import attach_to_local_cluster
 from tfdist_ext.cluster._local import ping
 
 _PSSV2 = _integration.ParameterServerStrategyV2
@@ -74,6 +78,8 @@ class ParameterServerBase(_PSSV2):
         super().__init__(cluster_resolver, variable_partitioner=partitioner)
         _integration.use_extended(self, PlacementExtended(self, cluster_resolver, partitioner))
         _make_sharded_variables_readable()
+        self._closed = False
+        attach_to_local_cluster(cluster_resolver, self)
 
     @property
     def num_workers(self):
@@ -89,6 +95,132 @@ class ParameterServerBase(_PSSV2):
         """Bytes of variables placed whole on each ``ps`` shard so far."""
         return self.extended.shard_bytes()
 
+    # -- closing -------------------------------------------------------------
+
+    @property
+    def closed(self):
+        """Whether :meth:`close` has run."""
+        return self._closed
+
+    def close(self):
+        """Disconnects from the cluster; models keep their final parameters here.
+
+        Stops the strategy's threads (the coordinator's, the algorithm's),
+        copies every variable of every model and optimizer built under
+        ``scope()`` to this process with its last value, releases what lives
+        on the other tasks, and makes this process's TensorFlow runtime local
+        again. Afterwards ``get_weights``, ``evaluate``, ``predict`` and
+        ``save`` work in plain single-process mode; ``fit`` under this
+        strategy is refused. Idempotent. ``LocalCluster`` calls it for every
+        strategy connected to it when it stops.
+
+        Raises:
+          ClusterError: a ``ps`` task did not answer, so the parameters it held
+            could not be brought back (everything else is closed all the same).
+
+        Example:
+          >>> strategy = tfdist_ext.DownpourStrategy(resolver)  # doctest: +SKIP
+          >>> with strategy.scope():
+          ...     model = make_model()
+          >>> model.fit(dataset, epochs=3)
+          >>> strategy.close()
+          >>> model.save("model.keras")   # the final parameters, from this process
+        """
+        if self._closed:
+            return
+        self._closed = True
+        # TensorFlow logs an RPC error for every message to a dead task;
+        # those tasks are known here, the lines would say nothing new.
+        dead = self._dead_tasks()
+        patterns = [s.encode() for job, index, address in dead
+                    for s in (address, f"/job:{job}/replica:0/task:{index}")]
+        with _integration.native_log_without(patterns):
+            self._stop_runtime()
+            try:
+                self._bring_parameters_back(
+                    [f"ps:{index} at {address}" for job, index, address in dead if job == "ps"])
+            finally:
+                gc.collect()   # remote handles go while their tasks still answer
+                _integration.disconnect_from_cluster()
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(
+                f"{self._owner} is closed: its cluster has stopped (the LocalCluster block "
+                "ended or strategy.close() was called). The model keeps its final "
+                "parameters in this process, so evaluate, predict and save work; to train "
+                "further, create a new cluster and strategy and load the model under its "
+                "scope() (or train it without a strategy)."
+            )
+
+    def _dead_tasks(self):
+        """``(job, index, address)`` of the ``worker``/``ps`` tasks that do not answer."""
+        spec = self._cluster_resolver.cluster_spec().as_dict()
+        dead = []
+        for job in ("worker", "ps"):
+            for index, address in enumerate(spec[job]):
+                try:
+                    ping(address, timeout=2.0)
+                except ClusterError:
+                    dead.append((job, index, address))
+        return dead
+
+    def _stop_runtime(self):
+        """Stops the algorithm's threads and drops its remote state (subclasses)."""
+
+    def _bring_parameters_back(self, dead_ps):
+        models, optimizers = self._keras_objects()
+        variables = {}
+        for model in models:
+            model.train_function = model.test_function = model.predict_function = None
+            for v in model.variables + model.metrics_variables:
+                variables[id(v)] = v
+            if getattr(model, "optimizer", None) is not None:
+                optimizers.append(model.optimizer)
+        for optimizer in optimizers:
+            for v in optimizer.variables:
+                variables[id(v)] = v
+        remote = [v for v in variables.values() if _is_remote(v)]
+        if not remote:
+            return
+        if dead_ps:
+            raise ClusterError(
+                f"{self._owner}: parameter server {', '.join(dead_ps)} did not answer "
+                "when the strategy closed, so the final parameters of the models built under "
+                f"it ({len(remote)} variables) could not be brought back to this process and "
+                "are lost. Save checkpoints during fit (keras.callbacks.ModelCheckpoint or "
+                "BackupAndRestore) to keep them."
+            )
+        try:
+            values = [v.numpy() for v in remote]
+        except tf.errors.OpError as e:
+            raise ClusterError(
+                f"{self._owner}: reading the final parameters from the parameter servers "
+                f"failed ({type(e).__name__}); the models built under this strategy lost "
+                "them. Save checkpoints during fit (keras.callbacks.ModelCheckpoint or "
+                "BackupAndRestore) to keep them."
+            ) from None
+        # ResourceVariable itself, not tf.Variable: no variable creator (this
+        # strategy's scope may be open) places the copies back on the cluster.
+        with tf.init_scope(), _integration.colocate_with(None, ignore_existing=True):
+            for v, value in zip(remote, values):
+                _integration.replace_variable_value(v, _integration.ResourceVariable(
+                    value, dtype=v.dtype, trainable=v.trainable, name=v.name))
+
+    def _keras_objects(self):
+        """Models and optimizers built under this strategy, among the live objects
+        of this process (Keras keeps no registry of models, and a strategy sees a
+        model only when it trains it)."""
+        models, optimizers = [], []
+        for obj in gc.get_objects():
+            if isinstance(obj, keras.Model):
+                if obj.distribute_strategy is self:
+                    models.append(obj)
+            elif isinstance(obj, keras.optimizers.Optimizer):
+                if _integration.optimizer_strategy(obj) is self:
+                    optimizers.append(obj)
+        return models, optimizers
+
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` unchanged: Keras ``evaluate``/``predict`` iterate it on the chief."""
         return dataset
@@ -99,6 +231,12 @@ class ParameterServerBase(_PSSV2):
             num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1
         )
         return self.experimental_distribute_dataset(dataset_fn(context), options)
+
+
+def _is_remote(variable):
+    """Whether a Keras variable's value lives on another task of the cluster."""
+    return any("/job:ps/" in piece.device or "/job:worker/" in piece.device
+               for piece in components(variable))
 
 
 def variable_bytes(kwargs):

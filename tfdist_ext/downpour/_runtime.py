@@ -95,6 +95,14 @@ class DownpourRuntime:
         """The traced round functions of live models (for inspection)."""
         return [fn for ref, fn in self._rounds.values() if ref() is not None]
 
+    def clear(self):
+        """Drops every per-worker resource and traced round (the strategy is closing)."""
+        self._rounds.clear()
+        self._per_worker_iterators.clear()
+        self._sources.clear()
+        self._worker_index = None
+        self._version = None
+
     def _partition(self, model):
         entry = self._plans.get(id(model))
         if entry is not None and entry[0]() is model:

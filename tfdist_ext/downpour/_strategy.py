@@ -134,7 +134,7 @@ class DownpourStrategy(ParameterServerBase):
             model_devices = list(model_devices)
         self.model_devices = model_devices
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
-        self.coordinator = _integration.ClusterCoordinator(self)
+        self.coordinator = _integration.ClosableClusterCoordinator(self)
         self.stats = DownpourStats()
         self._runtime = DownpourRuntime(self)
         _integration.install_trainer_hooks()
@@ -169,6 +169,7 @@ class DownpourStrategy(ParameterServerBase):
         return self._runtime.plan
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        self._check_open()
         return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
 
     def _tfdist_apply(self, optimizer, grads, variables, keras_apply):
@@ -179,6 +180,11 @@ class DownpourStrategy(ParameterServerBase):
 
     def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
         return _schedule.epoch_logs(model, logs, keras_epoch_logs)
+
+    def _stop_runtime(self):
+        """Stops the coordinator's threads; drops the per-worker iterators and rounds."""
+        self.coordinator.shutdown()
+        self._runtime.clear()
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.

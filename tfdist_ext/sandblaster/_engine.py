@@ -243,6 +243,14 @@ class Evaluator:
 
     def _worker_loop(self, w):
         executor = _integration.executor_lib.new_executor(enable_async=False)
+        try:
+            self._serve(w, executor)
+        finally:
+            # An executor re-raises a lost worker's error when it is deleted
+            # ("Exception ignored in Executor.__del__"); it was handled here.
+            executor.clear_error()
+
+    def _serve(self, w, executor):
         with _integration.eager_context.executor_scope(executor), tf.device(self.devices[w]):
             while True:
                 with self._cv:

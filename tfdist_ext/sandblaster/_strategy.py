@@ -85,7 +85,14 @@ class SandblasterStrategy(ParameterServerBase):
         _integration.install_trainer_hooks()
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        self._check_open()
         return _fit.sandblaster_fit(model, self, keras_fit, args, kwargs)
+
+    def _stop_runtime(self):
+        """Stops every pass's worker threads and drops the data sent to the workers."""
+        for _, _, evaluator in self._evaluators.values():
+            evaluator.close()
+        self._evaluators.clear()
 
     def _evaluator(self, key, owner, variables, loss_fn, data, memory):
         """The pass machinery for ``key``: built once per (variables, data arrays, memory).
@@ -93,6 +100,7 @@ class SandblasterStrategy(ParameterServerBase):
         Building it sends the data to every worker and creates the L-BFGS
         vectors on the ``ps`` tasks; later runs on the same arrays reuse it.
         """
+        self._check_open()
         signature = (tuple(id(v) for v in variables), memory,
                      tuple((id(a), np.shape(a)) for a in tf.nest.flatten(data)))
         entry = self._evaluators.get(key)
