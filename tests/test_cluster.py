@@ -1,7 +1,6 @@
 """LocalCluster: real task processes on 127.0.0.1, deadlines, faults, no orphans."""
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap

@@ -6,7 +6,6 @@ test at its deadline rather than hang the suite.
 """
 
 import json
-import os
 
 import pytest
 
