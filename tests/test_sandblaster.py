@@ -129,6 +129,23 @@ def test_lbfgs_optimizer_config_and_errors():
         opt.update_step(None, None, None)
 
 
+def test_a_model_compiled_with_lbfgs_loads_compiled_where_tfdist_ext_is_imported(tmp_path):
+    import keras
+    import numpy as np
+
+    import tfdist_ext
+
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    model.compile(optimizer=tfdist_ext.optimizers.LBFGS(memory=4), loss="mse")
+    path = str(tmp_path / "lbfgs.keras")
+    model.save(path)
+    again = keras.models.load_model(path)
+    assert isinstance(again.optimizer, tfdist_ext.optimizers.LBFGS)
+    assert again.optimizer.memory == 4
+    x = np.ones((2, 3), "float32")
+    np.testing.assert_allclose(again.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
 def test_strategy_argument_errors():
     import tensorflow as tf
 
