@@ -19,9 +19,11 @@ G = np.array([[4.0, -1.0, 0.5, -3.0, 0.1, 2.0, 0.0, -0.2],
 
 
 def _strategy(devices, compression):
-    # Several MirroredStrategy objects in one process collide on collective
-    # instance keys; copying through one device (no collectives) avoids that.
-    # test_sparse_wires_are_gathered_and_summed keeps the default collectives.
+    # Copying through one device: with the default collectives, fit with
+    # steps_per_execution > 1 fails in TensorFlow's while loop ("You must feed
+    # a value for placeholder tensor ...while/cond/Placeholder"). The tests of
+    # item 3 of issue 12 (end of file) and test_sparse_wires_are_gathered_and_summed
+    # use the default collectives.
     return C.CompressedMirroredStrategy(
         devices, cross_device_ops=tf.distribute.ReductionToOneDevice(),
         compression=compression)
@@ -497,3 +499,58 @@ def test_fit_refuses_an_unsupported_variable_dtype_before_the_first_step(cpu_dev
     with pytest.raises(ValueError, match="CompressedMirroredStrategy: variable .* dtype int32"):
         model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 1), np.float32), verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+# -- several strategies, one after another, in one process (issue 12, item 3) --
+
+def _digits_model(width):
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.05),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _digits(n=512):
+    x, y = datasets.digits("train", flatten=True, as_numpy=True)
+    return x[:n], y[:n]
+
+
+def _dgc():
+    return C.DGC(sparsity=0.99, warmup_epochs=0)
+
+
+def test_train_save_then_load_under_a_new_strategy_and_continue(cpu_devices, tmp_path):
+    # The distributed-training guide's pattern, run twice so that the second
+    # strategy meets collectives of a different shape from the first.
+    x, y = _digits()
+    first = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with first.scope():
+        model = _digits_model(128)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    small = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with small.scope():
+        other = _digits_model(16)
+    other.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    second = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with second.scope():
+        restored = keras.models.load_model(path)
+    before = restored.evaluate(x, y, verbose=0)
+    history = restored.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    assert history.history["loss"][-1] < before
+    assert second.compression_stats()["steps"] == 2 * 8
+
+
+def test_dense_mirrored_baseline_then_a_dgc_run(cpu_devices):
+    x, y = _digits()
+    with tf.distribute.MirroredStrategy(cpu_devices[:2]).scope():
+        dense = _digits_model(32)
+    dense.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with strategy.scope():
+        model = _digits_model(32)
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert strategy.compression_stats()["ratio"] > 10

@@ -40,6 +40,7 @@ both ends (tox envs ``keras-oldest`` and ``keras-newest``).
 import contextvars
 import functools
 import inspect
+import itertools
 import threading
 
 import keras
@@ -153,6 +154,14 @@ if ParameterServerStrategyV2Extended is not None:
 if tf.data.Dataset is not None:
     _check(tf.data.Dataset, "_as_serialized_graph",
            params=("strip_device_assignment", "external_state_policy"))
+
+# compressed strategies: where MirroredStrategy / MultiWorkerMirroredStrategy
+# start their collective group keys (read from the strategy object by the
+# extended's constructor; TensorFlow's own tests raise it for the same reason).
+for _cls in (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if not isinstance(getattr(_cls, "_collective_key_base", None), int):
+        _problems.append(f"{_cls.__module__}.{_cls.__qualname__}._collective_key_base "
+                         "is missing")
 
 if _problems:
     raise ImportError(
@@ -335,3 +344,26 @@ def optimizer_strategy(optimizer):
 def set_optimizer_strategy(optimizer, strategy):
     """Makes an optimizer built later create its variables under ``strategy``."""
     optimizer._distribution_strategy = strategy
+
+
+# -- collective keys (compressed strategies) ---------------------------------
+
+#: Group keys one strategy may use: TensorFlow allocates a handful (one per
+#: device set) upwards from its base; ``MirroredStrategy`` starts at 1.
+COLLECTIVE_KEY_STRIDE = 100_000
+_collective_key_bases = itertools.count(1)
+
+
+def claim_collective_keys(strategy):
+    """Gives ``strategy`` collective group keys no other strategy in this process uses.
+
+    Call in ``__init__`` before ``tf.distribute`` constructs the extended
+    object. TensorFlow's collective runtime keeps the parameters (op type,
+    dtype, shape) of every (group key, instance key) it has seen for the life
+    of the process, and every new ``MirroredStrategy`` starts again at group
+    key 1, instance key 100; a second strategy in the same process then
+    collides with the first one's cached collectives. The bases are handed
+    out in creation order, so processes of a multi-worker job that create
+    their strategies in the same order (the same program) agree on them.
+    """
+    strategy._collective_key_base = next(_collective_key_bases) * COLLECTIVE_KEY_STRIDE

@@ -345,6 +345,7 @@ class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStra
     """
 
     def __init__(self, devices=None, cross_device_ops=None, compression=None):
+        _integration.claim_collective_keys(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._setup_compression(compression)
 
@@ -367,6 +368,7 @@ class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None, compression=None):
+        _integration.claim_collective_keys(self)
         super().__init__(cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
         self._setup_compression(compression)
