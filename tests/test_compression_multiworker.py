@@ -46,43 +46,9 @@ WORKER = textwrap.dedent('''
 ''')
 
 
-# The distributed-training guide's pattern on every worker: train, save, make
-# a new strategy, load under its scope, continue. DGC with its defaults (the
-# warm-up follows fit's epochs).
-RESTART_WORKER = textwrap.dedent('''
-    import json, os, sys
-    import numpy as np, tensorflow as tf, keras
-    from tfdist_ext import compression as C, datasets
-
-    strategy = C.CompressedMultiWorkerMirroredStrategy(compression=C.DGC(sparsity=0.99))
-    x, y = datasets.digits("train", flatten=True, as_numpy=True)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA)
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(64).take(8).with_options(options)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                                  keras.layers.Dense(10)])
-        model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    first = model.fit(ds, epochs=2, verbose=0).history["loss"]
-    path = os.path.join(sys.argv[1], f"model_{strategy.cluster_resolver.task_id}.keras")
-    model.save(path)
-    strategy = C.CompressedMultiWorkerMirroredStrategy(compression=C.DGC(sparsity=0.99))
-    with strategy.scope():
-        model = keras.models.load_model(path)
-    second = model.fit(ds, epochs=2, verbose=0).history["loss"]
-    print("RESULT " + json.dumps({
-        "weights": [w.ravel().tolist() for w in model.get_weights()],
-        "loss": first + second, "ratio": [strategy.compression_stats()["ratio"]],
-        "stats": strategy.compression_stats(),
-    }), flush=True)
-''')
-
-
-def run_workers(tmp_path, name, kwargs, num_workers=2, timeout=180, source=WORKER):
+def run_workers(tmp_path, name, kwargs, num_workers=2, timeout=180):
     script = tmp_path / "worker.py"
-    script.write_text(source)
+    script.write_text(WORKER)
     cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]}
     procs = []
     for index in range(num_workers):
@@ -130,6 +96,7 @@ def test_two_worker_processes_topk_error_feedback(tmp_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name,kwargs,min_ratio", [
     ("dgc", {"sparsity": 0.99, "warmup_epochs": 1, "steps_per_epoch": 4}, 3.0),
+    ("dgc", {"sparsity": 0.99}, 1.5),   # the defaults: the warm-up follows fit's epochs
     ("onebit", {}, 20.0),
     ("qsgd", {"levels": 4}, 5.0),
     ("powersgd", {"rank": 2}, 3.0),
@@ -137,11 +104,3 @@ def test_two_worker_processes_topk_error_feedback(tmp_path):
 ])
 def test_two_worker_processes_other_families(tmp_path, name, kwargs, min_ratio):
     check_workers(run_workers(tmp_path, name, kwargs), min_ratio)
-
-
-@pytest.mark.timeout(300)
-def test_each_worker_saves_then_continues_under_a_new_strategy(tmp_path):
-    results = run_workers(tmp_path, str(tmp_path), {}, timeout=240, source=RESTART_WORKER)
-    check_workers(results, min_ratio=2.0)
-    # The new strategy counts its own fit only: 2 epochs of 8 steps.
-    assert results[0]["stats"]["steps"] == 2 * 8
