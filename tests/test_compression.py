@@ -225,6 +225,21 @@ def test_dgc_exponential_warmup():
                                            0.001, 0.001], rtol=1e-5)
 
 
+def test_dgc_warmup_follows_the_epoch_it_is_given():
+    c = C.DGC(sparsity=0.999)   # the defaults: 4 warm-up epochs, no steps_per_epoch
+    assert c.follows_epochs and c.applies_momentum
+    densities = [float(c.density(step=7, epoch=e)) for e in range(6)]
+    np.testing.assert_allclose(densities, [0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001],
+                               rtol=1e-5)
+    wire, _ = c.compress(tf.range(100.0), c.init((100,)), step=0, epoch=1)
+    assert wire["values"].shape == [7]   # ceil(0.0625 * 100)
+    # Without fit to say where epochs end, it says what to pass instead.
+    with pytest.raises(ValueError, match=r"warmup_epochs=4.*DGC\(steps_per_epoch=\.\.\.\)"):
+        c.compress(tf.range(100.0), c.init((100,)), step=0)
+    assert not C.DGC(steps_per_epoch=10).follows_epochs
+    assert C.ErrorFeedback(C.DGC()).follows_epochs
+
+
 def test_dgc_without_momentum_correction_accumulates_gradients():
     c = C.DGC(sparsity=0.5, momentum=0.9, warmup_epochs=0, momentum_correction=False)
     state = c.init((4,))
@@ -256,7 +271,6 @@ def test_compressors_work_inside_tf_function():
     (lambda: C.Threshold(0), "tau"),
     (lambda: C.DGC(sparsity=1.0, warmup_epochs=0), "sparsity"),
     (lambda: C.DGC(momentum=1.2, warmup_epochs=0), "momentum"),
-    (lambda: C.DGC(), "needs steps_per_epoch"),
     (lambda: C.ErrorFeedback("topk"), "must be a tfdist_ext.compression.Compressor"),
     (lambda: C.get("zip"), "unknown compressor"),
     (lambda: C.TopK(0.1).init((3,), tf.int32), "unsupported gradient dtype int32"),

@@ -19,9 +19,11 @@ G = np.array([[4.0, -1.0, 0.5, -3.0, 0.1, 2.0, 0.0, -0.2],
 
 
 def _strategy(devices, compression):
-    # Several MirroredStrategy objects in one process collide on collective
-    # instance keys; copying through one device (no collectives) avoids that.
-    # test_sparse_wires_are_gathered_and_summed keeps the default collectives.
+    # Copying through one device: with the default collectives, fit with
+    # steps_per_execution > 1 fails in TensorFlow's while loop ("You must feed
+    # a value for placeholder tensor ...while/cond/Placeholder"). The tests of
+    # item 3 of issue 12 (end of file) and test_sparse_wires_are_gathered_and_summed
+    # use the default collectives.
     return C.CompressedMirroredStrategy(
         devices, cross_device_ops=tf.distribute.ReductionToOneDevice(),
         compression=compression)
@@ -497,3 +499,157 @@ def test_fit_refuses_an_unsupported_variable_dtype_before_the_first_step(cpu_dev
     with pytest.raises(ValueError, match="CompressedMirroredStrategy: variable .* dtype int32"):
         model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 1), np.float32), verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+# -- several strategies, one after another, in one process (issue 12, item 3) --
+
+def _digits_model(width):
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(10)])
+    model.compile(keras.optimizers.SGD(0.05),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _digits(n=512):
+    x, y = datasets.digits("train", flatten=True, as_numpy=True)
+    return x[:n], y[:n]
+
+
+def _dgc():
+    return C.DGC(sparsity=0.99, warmup_epochs=0)
+
+
+def test_train_save_then_load_under_a_new_strategy_and_continue(cpu_devices, tmp_path):
+    # The distributed-training guide's pattern, run twice so that the second
+    # strategy meets collectives of a different shape from the first.
+    x, y = _digits()
+    first = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with first.scope():
+        model = _digits_model(128)
+    model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    small = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with small.scope():
+        other = _digits_model(16)
+    other.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    second = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with second.scope():
+        restored = keras.models.load_model(path)
+    before = restored.evaluate(x, y, verbose=0)
+    history = restored.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    assert history.history["loss"][-1] < before
+    assert second.compression_stats()["steps"] == 2 * 8
+
+
+def test_dense_mirrored_baseline_then_a_dgc_run(cpu_devices):
+    x, y = _digits()
+    with tf.distribute.MirroredStrategy(cpu_devices[:2]).scope():
+        dense = _digits_model(32)
+    dense.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=_dgc())
+    with strategy.scope():
+        model = _digits_model(32)
+    history = model.fit(x, y, batch_size=64, epochs=2, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert strategy.compression_stats()["ratio"] > 10
+
+
+# -- DGC with its defaults in fit, and the optimizer's momentum (issue 12, item 4) --
+
+def test_dgc_defaults_warm_up_over_fits_epochs(cpu_devices):
+    # DGC() has 4 warm-up epochs and no steps_per_epoch: fit says where
+    # epochs end (density 25%, 6.25%, 1.6%, 0.4%, then 1 - sparsity).
+    x, y = _digits()
+    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.999))
+    with strategy.scope():
+        model = _model()
+    logger = CompressionLogger()
+    model.fit(x, y, batch_size=64, epochs=6, verbose=0, callbacks=[logger])
+    ratios = [row["compression_ratio"] for row in logger.history]
+    assert ratios[0] < 3 and all(a < b for a, b in zip(ratios[:4], ratios[1:5])), ratios
+    assert ratios[2] > 3 * ratios[1] > 9 * ratios[0], ratios
+    assert ratios[5] == pytest.approx(ratios[4]), ratios
+    # Epoch numbers, not the epochs of this call: resuming at epoch 4 is past the warm-up.
+    model.fit(x, y, batch_size=64, epochs=5, initial_epoch=4, verbose=0, callbacks=[logger])
+    assert logger.history[-1]["compression_ratio"] == pytest.approx(ratios[5])
+
+
+def test_dgc_warmup_outside_fit_says_to_give_steps_per_epoch(cpu_devices):
+    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.9))
+    with pytest.raises(ValueError, match=r"outside fit.*steps_per_epoch=\.\.\."):
+        _apply_per_replica_grads(strategy, G)
+    # With steps_per_epoch the same custom loop runs.
+    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.9, steps_per_epoch=10))
+    weights = _apply_per_replica_grads(strategy, G)
+    assert np.count_nonzero(weights[0]) == 2 * 2   # 25% of 8 entries from each replica
+
+
+@pytest.mark.parametrize("optimizer", [
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    lambda: keras.optimizers.Adam(0.01),
+], ids=["sgd-momentum", "nesterov", "rmsprop-momentum", "adam"])
+def test_dgc_momentum_correction_refuses_an_optimizer_with_momentum(cpu_devices, optimizer):
+    x, y = _digits(128)
+    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99, warmup_epochs=0))
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"apply momentum a second time.*SGD\(learning_rate\)"
+                                         r".*momentum_correction=False"):
+        model.fit(x, y, batch_size=64, epochs=1, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize("compressor,optimizer", [
+    (lambda: C.DGC(sparsity=0.99, warmup_epochs=0), lambda: keras.optimizers.SGD(0.1)),
+    (lambda: C.DGC(sparsity=0.99, warmup_epochs=0, momentum_correction=False),
+     lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+    (lambda: C.DGC(sparsity=0.99, warmup_epochs=0, momentum=0.0),
+     lambda: keras.optimizers.Adam(0.01)),
+    (lambda: C.EFSignSGD(), lambda: keras.optimizers.SGD(0.01, momentum=0.9)),
+    (lambda: C.PowerSGD(1), lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+], ids=["dgc-sgd", "gradient-dropping-momentum", "dgc-no-momentum-adam", "efsignsgd",
+        "powersgd"])
+def test_one_momentum_trains(cpu_devices, compressor, optimizer):
+    # Compressors without momentum of their own leave it to the optimizer.
+    x, y = _digits(128)
+    strategy = _strategy(cpu_devices[:2], compressor())
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
+        model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+    assert history.history["loss"][-1] < history.history["loss"][0]
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_dgc_trains_under_mixed_precision(cpu_devices, policy):
+    # mixed_float16: Keras wraps the optimizer in a LossScaleOptimizer, which
+    # unscales the gradients before the inner optimizer's exchange, so the
+    # compressor's state holds true gradients; bfloat16 needs no scaling.
+    x, y = _digits()
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99))
+        with strategy.scope():
+            model = keras.Sequential([
+                keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                keras.layers.Dense(10), keras.layers.Activation("linear", dtype="float32")])
+            model.compile(keras.optimizers.SGD(0.1),
+                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"])
+        history = model.fit(x, y, batch_size=64, epochs=6, verbose=0)
+        assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
+        assert history.history["accuracy"][-1] > 0.6
+        assert strategy.compression_stats()["ratio"] > 2
+        for name in strategy.compression_state.slot_names():
+            assert np.isfinite(getattr(strategy.compression_state, name).numpy()).all()
+        with strategy.scope():   # the momentum check sees through the loss scaling
+            model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+        with pytest.raises(ValueError, match="apply momentum a second time"):
+            model.fit(x, keras.utils.to_categorical(y, 10), epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")

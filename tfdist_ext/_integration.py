@@ -51,6 +51,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import itertools
 import os
 import sys
 import threading
@@ -268,6 +269,14 @@ if eager_context is not None:
     _check(eager_context.Context, "update_server_def", params=("server_def",))
 if keras.Variable is not None:
     _check(keras.Variable, "_initialize", params=("value",))
+
+# compressed strategies: where MirroredStrategy / MultiWorkerMirroredStrategy
+# start their collective group keys (read from the strategy object by the
+# extended's constructor; TensorFlow's own tests raise it for the same reason).
+for _cls in (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy):
+    if not isinstance(getattr(_cls, "_collective_key_base", None), int):
+        _problems.append(f"{_cls.__module__}.{_cls.__qualname__}._collective_key_base "
+                         "is missing")
 
 if _problems:
     raise ImportError(
@@ -690,3 +699,25 @@ def replace_variable_value(variable, value):
     ``_initialize`` path for a ``tf.Variable`` value)."""
     variable._value = None
     variable._initialize(value)
+
+# -- collective keys (compressed strategies) ---------------------------------
+
+#: Group keys one strategy may use: TensorFlow allocates a handful (one per
+#: device set) upwards from its base; ``MirroredStrategy`` starts at 1.
+COLLECTIVE_KEY_STRIDE = 100_000
+_collective_key_bases = itertools.count(1)
+
+
+def claim_collective_keys(strategy):
+    """Gives ``strategy`` collective group keys no other strategy in this process uses.
+
+    Call in ``__init__`` before ``tf.distribute`` constructs the extended
+    object. TensorFlow's collective runtime keeps the parameters (op type,
+    dtype, shape) of every (group key, instance key) it has seen for the life
+    of the process, and every new ``MirroredStrategy`` starts again at group
+    key 1, instance key 100; a second strategy in the same process then
+    collides with the first one's cached collectives. The bases are handed
+    out in creation order, so processes of a multi-worker job that create
+    their strategies in the same order (the same program) agree on them.
+    """
+    strategy._collective_key_base = next(_collective_key_bases) * COLLECTIVE_KEY_STRIDE

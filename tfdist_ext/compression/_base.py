@@ -40,8 +40,13 @@ class Compressor:
     """Base class of gradient compressors (see module docstring for the protocol).
 
     Subclasses implement :meth:`compress` and :meth:`decompress`, and
-    :meth:`init` when they keep state. ``stateful`` tells whether ``init``
-    returns anything.
+    :meth:`init` when they keep state.
+
+    Two flags tell a strategy what a compressor needs from it:
+    ``follows_epochs`` (``compress`` takes ``epoch=``, the 0-based epoch of
+    ``model.fit``: DGC's warm-up without ``steps_per_epoch``) and
+    ``applies_momentum`` (the sender applies momentum itself, so an optimizer
+    with momentum would apply it twice: DGC's momentum correction).
 
     Example:
       >>> c = TopK(0.01)
@@ -51,6 +56,8 @@ class Compressor:
     """
 
     name = "compressor"
+    follows_epochs = False
+    applies_momentum = False
 
     def init(self, shape, dtype=tf.float32):
         """Returns the initial state (a dict of tensors) for a gradient of ``shape``."""
@@ -157,6 +164,14 @@ class ErrorFeedback(Compressor):
         """True when a gradient of ``shape`` has fewer than ``min_size`` elements (sent dense)."""
         return _wire.static_num_elements(shape) < self.min_size
 
+    @property
+    def follows_epochs(self):
+        return self.compressor.follows_epochs
+
+    @property
+    def applies_momentum(self):
+        return self.compressor.applies_momentum
+
     def init(self, shape, dtype=tf.float32):
         self.check_dtype(dtype)
         if self.is_dense(shape):
@@ -164,11 +179,12 @@ class ErrorFeedback(Compressor):
         return {"residual": tf.zeros(shape, tf.float32),
                 "inner": self.compressor.init(shape, dtype)}
 
-    def compress(self, grad, state, step):
+    def compress(self, grad, state, step, epoch=None):
         if self.is_dense(grad.shape):
             return {"values": _flat32(grad)}, state
         corrected = tf.cast(grad, tf.float32) + state["residual"]
-        wire, inner = self.compressor.compress(corrected, state["inner"], step)
+        clock = {"epoch": epoch} if self.follows_epochs else {}
+        wire, inner = self.compressor.compress(corrected, state["inner"], step, **clock)
         sent = self.compressor.decompress(wire, corrected.shape, tf.float32)
         return wire, {"residual": corrected - sent, "inner": inner}
 

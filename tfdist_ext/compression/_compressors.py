@@ -523,9 +523,18 @@ class DGC(Compressor):
     ``1 - sparsity``. Wire: float32 values + int32 indices.
 
     With momentum correction the momentum lives here, so pair it with a
-    plain (momentum-free) SGD optimizer. With ``momentum_correction=False``
-    the sender only accumulates gradients (Gradient Dropping) and the
-    optimizer keeps its own momentum.
+    plain (momentum-free) SGD optimizer: the compressed strategies refuse an
+    optimizer with momentum of its own (``SGD(momentum=...)``, Nesterov,
+    ``RMSprop(momentum=...)``, Adam's ``beta_1``) when it is built, since it
+    would apply momentum twice. With ``momentum_correction=False`` the sender
+    only accumulates gradients (Gradient Dropping) and the optimizer keeps
+    its own momentum.
+
+    Where the warm-up's epochs end: after ``steps_per_epoch`` optimizer steps
+    when it is given; otherwise ``model.fit`` under a compressed strategy
+    tells the compressor which epoch it is in (``compress(..., epoch=...)``),
+    so ``DGC()`` with its defaults just works in ``fit``. Outside ``fit``
+    (a custom loop, a parameter-server push) give ``steps_per_epoch``.
 
     Tensors with fewer than ``min_size`` elements (biases, BN parameters,
     small layers) are not sparsified, as in the paper's reference
@@ -539,13 +548,14 @@ class DGC(Compressor):
       momentum: the momentum of the correction, in [0, 1).
       clip_norm: local L2 clipping threshold per tensor, or None.
       warmup_epochs: epochs of exponential sparsity warm-up (0: none).
-      steps_per_epoch: optimizer steps per epoch; required for warm-up.
+      steps_per_epoch: optimizer steps per epoch for the warm-up; None: follow
+        ``model.fit``'s epochs (see above).
       momentum_correction: accumulate momentum (True) or raw gradients.
       min_size: tensors with fewer elements are sent dense (0: sparsify all).
 
     Example:
-      >>> c = DGC(sparsity=0.999, momentum=0.9, clip_norm=5.0,
-      ...         warmup_epochs=4, steps_per_epoch=100)
+      >>> c = DGC(sparsity=0.999, momentum=0.9, clip_norm=5.0)  # warm-up: fit's epochs
+      >>> c = DGC(sparsity=0.999, warmup_epochs=4, steps_per_epoch=100)  # a custom loop
       >>> c = DGC(sparsity=0.999, warmup_epochs=0, min_size=1024)   # biases dense
     """
 
@@ -562,11 +572,6 @@ class DGC(Compressor):
         if clip_norm is not None:
             check_positive("DGC", "clip_norm", clip_norm)
         check_positive("DGC", "warmup_epochs", warmup_epochs, integer=True, allow_zero=True)
-        if warmup_epochs and steps_per_epoch is None:
-            raise ValueError(
-                f"DGC: warmup_epochs={warmup_epochs} needs steps_per_epoch (optimizer "
-                "steps per epoch) to know when an epoch ends; pass steps_per_epoch=... "
-                "or warmup_epochs=0")
         if steps_per_epoch is not None:
             check_positive("DGC", "steps_per_epoch", steps_per_epoch, integer=True)
         self.sparsity = float(sparsity)
@@ -578,6 +583,16 @@ class DGC(Compressor):
         self.min_size = check_positive("DGC", "min_size", min_size, integer=True,
                                        allow_zero=True)
 
+    @property
+    def follows_epochs(self):
+        """True when the warm-up needs the epoch from ``compress(..., epoch=...)``."""
+        return bool(self.warmup_epochs) and self.steps_per_epoch is None
+
+    @property
+    def applies_momentum(self):
+        """True when the sender applies momentum (momentum correction)."""
+        return self.momentum_correction and self.momentum > 0
+
     def is_dense(self, shape):
         """True when a gradient of ``shape`` has fewer than ``min_size`` elements (sent dense)."""
         return _num(shape) < self.min_size
@@ -587,16 +602,27 @@ class DGC(Compressor):
         return {"u": tf.zeros([_num(shape)], tf.float32),
                 "v": tf.zeros([_num(shape)], tf.float32)}
 
-    def density(self, step):
-        """Fraction of entries sent at optimizer step ``step`` (float32 tensor)."""
+    def density(self, step, epoch=None):
+        """Fraction of entries sent at optimizer step ``step`` of epoch ``epoch`` (float32 tensor).
+
+        ``epoch`` (0-based) is needed during a warm-up without ``steps_per_epoch``.
+        """
         final = tf.constant(1.0 - self.sparsity, tf.float32)
         if not self.warmup_epochs:
             return final
-        epoch = tf.cast(step, tf.int64) // self.steps_per_epoch
+        if self.steps_per_epoch is not None:
+            epoch = tf.cast(step, tf.int64) // self.steps_per_epoch
+        elif epoch is None:
+            raise ValueError(
+                f"DGC: the warm-up (warmup_epochs={self.warmup_epochs}) needs to know where "
+                "epochs end. model.fit under CompressedMirroredStrategy or "
+                "CompressedMultiWorkerMirroredStrategy tells it; elsewhere pass "
+                "DGC(steps_per_epoch=...) (optimizer steps per epoch) or warmup_epochs=0")
+        epoch = tf.cast(epoch, tf.int64)
         warm = tf.pow(0.25, tf.cast(epoch, tf.float32) + 1.0)
         return tf.where(epoch < self.warmup_epochs, tf.maximum(final, warm), final)
 
-    def compress(self, grad, state, step):
+    def compress(self, grad, state, step, epoch=None):
         g = _flat32(grad)
         if self.clip_norm is not None:
             g = tf.clip_by_norm(g, self.clip_norm)
@@ -612,7 +638,7 @@ class DGC(Compressor):
             u = state["u"]
             v = state["v"] + g
         n = g.shape[0]
-        k = tf.maximum(tf.cast(tf.math.ceil(self.density(step) * n), tf.int32), 1)
+        k = tf.maximum(tf.cast(tf.math.ceil(self.density(step, epoch) * n), tf.int32), 1)
         k = tf.minimum(k, n)
         idx = select_topk(tf.abs(v), k, _seed(step, 91))
         values = tf.gather(v, idx)

@@ -11,11 +11,18 @@ wire tensors** (``ReplicaContext.all_gather``: cross-device copies within a
 process, collective all-gather over gRPC across processes), and decompresses
 and sums the gathered wires on every replica. Every other reduction (metrics,
 sync batch-norm, user code) is left dense.
+
+``model.fit`` under these strategies also tells a compressor that follows
+epochs (DGC's warm-up without ``steps_per_epoch``) which epoch is running:
+the strategy's ``_tfdist_fit`` hook adds an internal callback that writes the
+epoch into a variable the traced step reads.
 """
 
+import inspect
 import threading
 import weakref
 
+import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
@@ -68,13 +75,68 @@ class _CompressedExchange:
         self._state_slots = {}
         self._optimizers = weakref.WeakKeyDictionary()
         self._counters = None
+        self._epoch = None
+        self._fits_running = 0
         _integration.install_optimizer_hooks()
+        _integration.install_trainer_hooks()
+
+    def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        if not self._compression.follows_epochs:
+            return keras_fit(model, *args, **kwargs)
+        call = inspect.signature(keras_fit).bind(model, *args, **kwargs)
+        clock = _EpochClock(self._epoch_variable())
+        callbacks = call.arguments.get("callbacks")
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.append(clock)
+        else:
+            call.arguments["callbacks"] = [*(callbacks or []), clock]
+        self._fits_running += 1
+        try:
+            return keras_fit(*call.args, **call.kwargs)
+        finally:
+            self._fits_running -= 1
 
     def _tfdist_build_optimizer(self, optimizer, variables):
         self._check_variable_dtypes(variables)
+        self._check_optimizer_momentum(optimizer)
 
     def _tfdist_all_reduce_sum_gradients(self, optimizer, grads_and_vars):
         return self._compressed_all_reduce(optimizer, grads_and_vars)
+
+    def _check_optimizer_momentum(self, optimizer):
+        """Raises ValueError, when the optimizer is built, if it and the compressor both apply momentum."""
+        if not self._compression.applies_momentum:
+            return
+        own = {name: getattr(optimizer, name, None) for name in ("momentum", "beta_1")}
+        own = {name: value for name, value in own.items()
+               if isinstance(value, (int, float)) and value > 0}
+        if own:
+            setting = ", ".join(f"{name}={value}" for name, value in own.items())
+            raise ValueError(
+                f"{type(self).__name__}: the compressor {self._compression!r} applies "
+                f"momentum on each replica (momentum correction), and the optimizer "
+                f"{type(optimizer).__name__}({setting}) would apply momentum a second time "
+                "(training is much worse, without any error). Use an optimizer without "
+                "momentum, e.g. keras.optimizers.SGD(learning_rate) (the compressor's "
+                "momentum replaces it), or DGC(momentum_correction=False) to keep the "
+                "optimizer's momentum.")
+
+    def _epoch_variable(self):
+        if self._epoch is None:
+            with tf.init_scope():
+                self._epoch = _local_variable(tf.constant(0, tf.int64), "epoch")
+        return self._epoch
+
+    def _fit_epoch(self):
+        """The epoch ``model.fit`` is in, for a compressor that follows epochs."""
+        if not self._fits_running:
+            raise ValueError(
+                f"{type(self).__name__}: the compressor {self._compression!r} needs to know "
+                "where epochs end (its warm-up counts epochs); model.fit tells it, but this "
+                "step runs outside fit (a custom loop or train_on_batch). Give the "
+                "compressor steps_per_epoch=... (optimizer steps per epoch), or "
+                "warmup_epochs=0.")
+        return self._epoch
 
     def _check_variable_dtypes(self, variables):
         """Raises ValueError before the first step if the compressor cannot take a variable's dtype.
@@ -228,7 +290,9 @@ class _CompressedExchange:
         if hasattr(compressor, "exchange"):
             reduced, sent = self._exchange_rounds(ctx, compressor, grads, states, step, counters)
         else:
-            reduced, sent = self._exchange_gather(ctx, compressor, grads, states, step, counters)
+            clock = {"epoch": self._fit_epoch()} if compressor.follows_epochs else {}
+            reduced, sent = self._exchange_gather(ctx, compressor, grads, states, step,
+                                                  counters, clock)
         counters["wire_bytes"].assign_add(sent)
         counters["dense_bytes"].assign_add(tf.constant(dense_bytes, tf.int64))
         counters["steps"].assign_add(tf.constant(1, tf.int64))
@@ -256,13 +320,13 @@ class _CompressedExchange:
         with tf.control_dependencies(grads):
             return tf.timestamp()
 
-    def _exchange_gather(self, ctx, compressor, grads, states, step, counters):
+    def _exchange_gather(self, ctx, compressor, grads, states, step, counters, clock):
         n = self.num_replicas_in_sync
         t0 = self._start_clock(grads)
         wires, new_states = [], []
         with tf.control_dependencies([t0]):
             for g, state_vars in zip(grads, states):
-                wire, new_state = compressor.compress(g, self._read(state_vars), step)
+                wire, new_state = compressor.compress(g, self._read(state_vars), step, **clock)
                 wires.append(wire)
                 new_states.append(new_state)
         flat = tf.nest.flatten(wires)
@@ -319,6 +383,17 @@ class _CompressedExchange:
         return reduced, sent
 
 
+class _EpochClock(keras.callbacks.Callback):
+    """Writes the epoch ``model.fit`` starts into ``epoch`` (an int64 variable) (internal)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch.assign(epoch)
+
+
 class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStrategy):
     """``tf.distribute.MirroredStrategy`` whose Keras gradient exchange is compressed.
 
@@ -345,6 +420,7 @@ class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStra
     """
 
     def __init__(self, devices=None, cross_device_ops=None, compression=None):
+        _integration.claim_collective_keys(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._setup_compression(compression)
 
@@ -363,10 +439,11 @@ class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
 
     Example:
       >>> strategy = CompressedMultiWorkerMirroredStrategy(   # doctest: +SKIP
-      ...     compression=compression.DGC(sparsity=0.999, steps_per_epoch=50))
+      ...     compression=compression.DGC(sparsity=0.999))
     """
 
     def __init__(self, cluster_resolver=None, communication_options=None, compression=None):
+        _integration.claim_collective_keys(self)
         super().__init__(cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
         self._setup_compression(compression)
