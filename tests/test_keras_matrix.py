@@ -396,14 +396,7 @@ REFUSALS = {
 }
 
 # Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).
-KNOWN_FAILURES = {
-    ("compressed_mirrored", "bn_dropout"):
-        "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
-        "statistics differ per replica, the saved model predicts replica 0's",
-    ("compressed_multiworker", "bn_dropout"):
-        "NEW, not in issue 12 (plain MirroredStrategy too): BatchNormalization's moving "
-        "statistics differ per replica, the saved model predicts replica 0's",
-}
+KNOWN_FAILURES = {}
 
 POLICIES = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
 EXIT_GRACE = 30.0     # seconds a process may take to end after its last statement

@@ -18,6 +18,7 @@ the strategy's ``_tfdist_fit`` hook adds an internal callback that writes the
 epoch into a variable the traced step reads.
 """
 
+import contextlib
 import inspect
 import threading
 import weakref
@@ -79,6 +80,24 @@ class _CompressedExchange:
         self._fits_running = 0
         _integration.install_optimizer_hooks()
         _integration.install_trainer_hooks()
+
+    @contextlib.contextmanager
+    def scope(self):
+        """The strategy's scope (see ``tf.distribute.Strategy.scope``).
+
+        One difference: a non-trainable floating-point variable created in it
+        without an aggregation -- BatchNormalization's moving mean and
+        variance -- is averaged over the replicas at every update. Keras 3
+        leaves such variables unaggregated, so under ``MirroredStrategy`` each
+        replica drifts to its own statistics and a saved model keeps replica
+        0's (tf.keras 2 aggregated them by their mean).
+
+        Example:
+          >>> with strategy.scope():                        # doctest: +SKIP
+          ...     model = keras.Sequential([..., keras.layers.BatchNormalization()])
+        """
+        with super().scope(), tf.variable_creator_scope(_mean_aggregated_statistics):
+            yield self
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         if not self._compression.follows_epochs:
@@ -381,6 +400,18 @@ class _CompressedExchange:
         # Includes the two small all-reduces: PowerSGD interleaves them.
         counters["seconds"].assign_add(t1 - t0)
         return reduced, sent
+
+
+def _mean_aggregated_statistics(next_creator, **kwargs):
+    """Variable creator: unaggregated non-trainable float variables get MEAN aggregation."""
+    aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
+    dtype = kwargs.get("dtype")
+    if dtype is None and not callable(kwargs.get("initial_value")):
+        dtype = getattr(kwargs.get("initial_value"), "dtype", None)
+    if (not kwargs.get("trainable", True) and aggregation == tf.VariableAggregation.NONE
+            and dtype is not None and tf.as_dtype(dtype).is_floating):
+        kwargs["aggregation"] = tf.VariableAggregation.MEAN
+    return next_creator(**kwargs)
 
 
 class _EpochClock(keras.callbacks.Callback):
