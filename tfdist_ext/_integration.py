@@ -344,6 +344,15 @@ def layer_scope_stack():
     return [e.caller for e in stack if isinstance(getattr(e, "caller", None), keras.layers.Layer)]
 
 
+def creating_layer():
+    """The Keras layer whose weight is being created now (the innermost name
+    scope's caller, as ``Layer.add_weight`` opens it), or ``None`` (e.g. an
+    optimizer's ``add_variable``)."""
+    stack = global_state.get_global_attribute("name_scope_stack") or []
+    caller = getattr(stack[-1], "caller", None) if stack else None
+    return caller if isinstance(caller, keras.layers.Layer) else None
+
+
 # model parallelism
 
 def graph_nodes(model):

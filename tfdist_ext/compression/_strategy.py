@@ -85,8 +85,8 @@ class _CompressedExchange:
     def scope(self):
         """The strategy's scope (see ``tf.distribute.Strategy.scope``).
 
-        One difference: a non-trainable floating-point variable created in it
-        without an aggregation -- BatchNormalization's moving mean and
+        One difference: a layer's non-trainable floating-point weight created
+        in it without an aggregation -- BatchNormalization's moving mean and
         variance -- is averaged over the replicas at every update. Keras 3
         leaves such variables unaggregated, so under ``MirroredStrategy`` each
         replica drifts to its own statistics and a saved model keeps replica
@@ -403,7 +403,14 @@ class _CompressedExchange:
 
 
 def _mean_aggregated_statistics(next_creator, **kwargs):
-    """Variable creator: unaggregated non-trainable float variables get MEAN aggregation."""
+    """Variable creator: a layer's unaggregated non-trainable float weights get MEAN aggregation.
+
+    Only a layer's weights (BatchNormalization's statistics): an optimizer's
+    state (e.g. ``LossScaleOptimizer``'s dynamic scale, updated inside a
+    ``tf.cond``) keeps Keras's own aggregation.
+    """
+    if _integration.creating_layer() is None:
+        return next_creator(**kwargs)
     aggregation = kwargs.get("aggregation") or tf.VariableAggregation.NONE
     dtype = kwargs.get("dtype")
     if dtype is None and not callable(kwargs.get("initial_value")):
