@@ -29,7 +29,8 @@ def test_private_keras_and_tensorflow_imports_only_in_the_integration_module():
 
 
 def test_no_os_exit_in_the_package():
-    offenders = [path for path, text in _package_sources() if "os._exit(" in text]
+    forbidden = "os." + "_exit("   # spelled apart so that this file is not an offender
+    offenders = [path for path, text in _package_sources() if forbidden in text]
     assert offenders == [], f"os._exit in {offenders}"
 
 

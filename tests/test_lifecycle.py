@@ -14,14 +14,16 @@ import pytest
 
 LEFT = "LEFT_CLUSTER_BLOCK"
 
-DOWNPOUR = """
+# The start both scripts share: imports, test data, and a callback that kills
+# worker 1 at the end of epoch `kill_at` (when the test asks for a kill).
+HEAD = """
 import sys, time
 import numpy as np
 import keras
 import tfdist_ext
 from tfdist_ext import datasets
 
-KILL = {kill}
+KILL = {{kill}}
 x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
 
 class KillWorker(keras.callbacks.Callback):
@@ -29,10 +31,12 @@ class KillWorker(keras.callbacks.Callback):
         super().__init__()
         self.cluster = cluster
     def on_epoch_end(self, epoch, logs=None):
-        if KILL and epoch == 0:
+        if KILL and epoch == {kill_at}:
             print("KILLED", self.cluster.address("worker", 1), flush=True)
             self.cluster.kill("worker", 1)
+"""
 
+DOWNPOUR = HEAD.format(kill_at=0) + """
 keras.utils.set_random_seed(0)
 with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
@@ -50,25 +54,8 @@ print("{left}", file=sys.stderr, flush=True)
 {after_block}
 """
 
-SANDBLASTER = """
-import sys, time
-import numpy as np
-import keras
-import tfdist_ext
-from tfdist_ext import datasets
-
-KILL = {kill}
+SANDBLASTER = HEAD.format(kill_at=2) + """
 x, y = datasets.digits("train", flatten=True, as_numpy=True)
-x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
-
-class KillWorker(keras.callbacks.Callback):
-    def __init__(self, cluster):
-        super().__init__()
-        self.cluster = cluster
-    def on_epoch_end(self, epoch, logs=None):
-        if KILL and epoch == 2:
-            print("KILLED", self.cluster.address("worker", 1), flush=True)
-            self.cluster.kill("worker", 1)
 
 with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, slices_per_worker=4)
