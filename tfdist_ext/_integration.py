@@ -323,11 +323,6 @@ def call_model(model, x, training):
     return model(x)
 
 
-def default_train_step():
-    """Keras's own ``train_step`` (TensorFlow backend)."""
-    return TensorFlowTrainer.train_step
-
-
 def overridden_step(model, name="train_step"):
     """The class that overrides Keras's ``name`` (e.g. ``"train_step"``) for
     ``model``, or ``None`` when the model uses Keras's own step."""
