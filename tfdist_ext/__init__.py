@@ -15,8 +15,20 @@ Example:
 """
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
+
+# TensorFlow is an extra, not a hard requirement (a GPU user keeps their own
+# wheel): say which one to install before anything needs it. find_spec does
+# not import TensorFlow, so `tfdist-ext server` stays fast to fail.
+if importlib.util.find_spec("tensorflow") is None:
+    raise ImportError(
+        "tfdist_ext needs TensorFlow 2.21, which is not installed. Install it "
+        "with one of: pip install 'tfdist_ext[cpu]' (CPU-only wheel), "
+        "pip install 'tfdist_ext[and-cuda]' (NVIDIA GPUs), or "
+        "pip install 'tfdist_ext[tensorflow]' (the plain tensorflow wheel)."
+    )
 
 from tfdist_ext import cluster
 from tfdist_ext import datasets

@@ -21,10 +21,22 @@ Example:
 """
 
 import functools
+import importlib
 
 import numpy as np
 
 SPLITS = ("train", "test")
+
+
+def _optional(module, loader, extra):
+    """Imports a data set's optional dependency, or says which extra has it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"datasets.{loader} needs the '{module.split('.')[0]}' package, which is "
+            f"not installed: pip install 'tfdist_ext[{extra}]'"
+        ) from e
 
 
 def _check_split(loader, split):
@@ -46,10 +58,10 @@ def _result(x, y, as_numpy):
 
 @functools.lru_cache(maxsize=8)
 def _digits_arrays(test_fraction, seed):
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    sklearn_datasets = _optional("sklearn.datasets", "digits", "data")
+    train_test_split = _optional("sklearn.model_selection", "digits", "data").train_test_split
 
-    bunch = load_digits()
+    bunch = sklearn_datasets.load_digits()
     x = bunch.images.astype(np.float32) / 16.0
     return train_test_split(
         x, bunch.target, test_size=test_fraction, random_state=seed,
@@ -84,12 +96,11 @@ def digits(split="train", *, flatten=False, test_fraction=0.25, seed=0,
 
 @functools.lru_cache(maxsize=4)
 def _mnist1d_arrays(seed):
-    from mnist1d.data import get_dataset_args
-    from mnist1d.data import make_dataset
+    data_module = _optional("mnist1d.data", "mnist1d", "data")
 
-    args = get_dataset_args()
+    args = data_module.get_dataset_args()
     args.seed = seed
-    data = make_dataset(args)   # procedural: never touches args.url
+    data = data_module.make_dataset(args)   # procedural: never touches args.url
     return data["x"], data["y"], data["x_test"], data["y_test"]
 
 
@@ -164,8 +175,8 @@ def from_tfds(name, split="train", *, data_dir, as_numpy=False):
     if not data_dir:
         raise ValueError("from_tfds: data_dir is required (nothing is downloaded)")
     import tensorflow as tf
-    import tensorflow_datasets as tfds
 
+    tfds = _optional("tensorflow_datasets", "from_tfds", "tfds")
     ds = tfds.load(
         name, split=split, data_dir=data_dir, download=False,
         as_supervised=True, shuffle_files=False,

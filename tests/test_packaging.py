@@ -1,0 +1,83 @@
+"""Packaging: one version string, TensorFlow and the data sets as extras, py.typed."""
+
+import importlib.metadata
+import os
+
+import pytest
+from conftest import REPO
+
+import tfdist_ext
+
+
+def _setup_cfg():
+    from setuptools.config.setupcfg import read_configuration
+
+    return read_configuration(os.path.join(REPO, "setup.cfg"))
+
+
+def test_setup_cfg_takes_the_version_from_the_package():
+    assert _setup_cfg()["metadata"]["version"] == tfdist_ext.__version__
+
+
+def test_version_is_the_installed_distributions():
+    try:
+        installed = importlib.metadata.version("tfdist_ext")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("tfdist_ext is not installed in this environment (tox installs it)")
+    assert tfdist_ext.__version__ == installed
+
+
+def test_tensorflow_is_an_extra_and_the_tested_versions_are_bounded():
+    options = _setup_cfg()["options"]
+    assert not [r for r in options["install_requires"] if r.startswith("tensorflow")]
+    assert "keras>=3.12.0,<3.16" in options["install_requires"]
+    # Extra names are compared normalized (PEP 685): and-cuda == and_cuda.
+    extras = {k.replace("_", "-"): v for k, v in options["extras_require"].items()}
+    assert extras["cpu"][0].startswith("tensorflow-cpu>=2.21,<2.22;")
+    assert extras["and-cuda"] == ["tensorflow[and-cuda]>=2.21,<2.22"]
+    assert extras["tensorflow"] == ["tensorflow>=2.21,<2.22"]
+    assert set(extras["data"]) == {"scikit-learn", "mnist1d"}
+
+
+def test_py_typed_is_shipped():
+    assert os.path.isfile(os.path.join(os.path.dirname(tfdist_ext.__file__), "py.typed"))
+    assert "py.typed" in _setup_cfg()["options"]["package_data"]["tfdist_ext"]
+
+
+def test_import_without_tensorflow_names_the_extras(script):
+    proc = script("""
+        import sys
+        sys.modules["tensorflow"] = None   # as if TensorFlow were not installed
+        try:
+            import tfdist_ext
+        except ImportError as e:
+            print(e)
+        else:
+            raise SystemExit("tfdist_ext imported without TensorFlow")
+    """, timeout=60)
+    message = proc.stdout
+    assert "needs TensorFlow 2.21" in message
+    for extra in ("tfdist_ext[cpu]", "tfdist_ext[and-cuda]", "tfdist_ext[tensorflow]"):
+        assert extra in message
+
+
+@pytest.mark.parametrize("blocked, call, extra", [
+    ("sklearn", "datasets.digits('train', as_numpy=True)", "tfdist_ext[data]"),
+    ("mnist1d", "datasets.mnist1d('train', as_numpy=True)", "tfdist_ext[data]"),
+    ("tensorflow_datasets", "datasets.from_tfds('mnist', data_dir='/nonexistent')",
+     "tfdist_ext[tfds]"),
+])
+def test_a_data_set_without_its_extra_names_the_extra(script, blocked, call, extra):
+    proc = script(f"""
+        import sys
+        sys.modules[{blocked!r}] = None   # as if the package were not installed
+        from tfdist_ext import datasets
+        try:
+            {call}
+        except ImportError as e:
+            print(e)
+        else:
+            raise SystemExit("loaded without {blocked}")
+    """, timeout=120)
+    assert f"'{blocked}' package" in proc.stdout
+    assert f"pip install '{extra}'" in proc.stdout
