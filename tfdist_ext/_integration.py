@@ -284,7 +284,7 @@ if _problems:
         f"{tf.__version__} (tested: Keras {KERAS_TESTED[0]} to {KERAS_TESTED[1]}, "
         f"TensorFlow {TENSORFLOW_TESTED}.x); these internals it relies on changed: "
         + "; ".join(_problems)
-        + f". Install a tested Keras: pip install 'keras>={KERAS_TESTED[0]},<=" 
+        + f". Install a tested Keras: pip install 'keras>={KERAS_TESTED[0]},<="
         + f"{KERAS_TESTED[1]}'"
     )
 

@@ -30,6 +30,7 @@ from tfdist_ext import _integration
 from tfdist_ext.compression._base import Compressor
 from tfdist_ext.compression._compressors import NoCompression
 
+
 class CompressionState(tf.Module):
     """The per-replica compressor state of a strategy, as a checkpointable object.
 
@@ -40,7 +41,7 @@ class CompressionState(tf.Module):
     before the first step.
 
     Example:
-      >>> ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
+      >>> ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer,  # doctest: +SKIP
       ...                            compression=strategy.compression_state)
     """
 

@@ -49,6 +49,7 @@ from tfdist_ext.model_parallel import _pipeline
 from tfdist_ext.model_parallel import _placement
 from tfdist_ext.model_parallel import _plan
 
+
 def _check_devices(devices):
     devices = _plan._check_devices(devices)
     available = {d.name for d in tf.config.list_logical_devices()}
