@@ -120,11 +120,11 @@ class ParameterServerBase(_PSSV2):
 
         Example:
           >>> strategy = tfdist_ext.DownpourStrategy(resolver)  # doctest: +SKIP
-          >>> with strategy.scope():
+          >>> with strategy.scope():  # doctest: +SKIP
           ...     model = make_model()
-          >>> model.fit(dataset, epochs=3)
-          >>> strategy.close()
-          >>> model.save("model.keras")   # the final parameters, from this process
+          >>> model.fit(dataset, epochs=3)  # doctest: +SKIP
+          >>> strategy.close()  # doctest: +SKIP
+          >>> model.save("model.keras")   # the final parameters, from this process  # doctest: +SKIP
         """
         if self._closed:
             return

@@ -49,6 +49,7 @@ class Compressor:
     with momentum would apply it twice: DGC's momentum correction).
 
     Example:
+      >>> from tfdist_ext.compression import TopK
       >>> c = TopK(0.01)
       >>> state = c.init((1000,))
       >>> wire, state = c.compress(tf.random.normal([1000]), state, step=0)
@@ -139,6 +140,7 @@ class ErrorFeedback(Compressor):
       min_size: tensors with fewer elements are sent dense (0: compress all).
 
     Example:
+      >>> from tfdist_ext.compression import ErrorFeedback, TopK
       >>> ef = ErrorFeedback(TopK(0.01))
       >>> ErrorFeedback(TopK(0.01), min_size=1024).is_dense((64,))
       True

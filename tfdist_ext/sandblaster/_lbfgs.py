@@ -37,7 +37,7 @@ class OptimizeResult(dict):
     Keys (also attributes): ``fun`` (final loss), ``nit`` (iterations),
     ``nfev`` (function evaluations = distributed passes), ``status`` (0
     converged, 1 iteration limit, 2 line search failed, None still running),
-    ``success``, ``message``, ``grad_max`` (max |gradient| at the end) and
+    ``success``, ``message``, ``grad_max`` (largest absolute gradient entry at the end) and
     ``history`` (one dict per iteration).
 
     Example:
