@@ -140,7 +140,7 @@ def synthetic(num_examples=10000, *, input_shape=(32,), num_classes=10,
       as_numpy: return ``(x, y)`` arrays instead of a ``tf.data.Dataset``.
 
     Example:
-      >>> ds = synthetic(100000, input_shape=(28, 28, 1), seed=1).batch(256)
+      >>> ds = synthetic(10000, input_shape=(28, 28, 1), seed=1).batch(256)
     """
     if isinstance(num_examples, bool) or not isinstance(num_examples, int) or num_examples < 1:
         raise ValueError(

@@ -1,10 +1,15 @@
 """The training recipe of Goyal et al. (2017) applied to a Keras model.
 
 Example:
+  >>> import keras
   >>> from tfdist_ext.recipes import apply_goyal_recipe
-  >>> report = apply_goyal_recipe(model, weight_decay=1e-4)   # doctest: +SKIP
-  >>> report["zero_gamma"]                                     # doctest: +SKIP
-  ['block1_bn2', 'block2_bn2']
+  >>> x = keras.Input((8,))
+  >>> branch = keras.layers.Dense(8, name="block1_dense")(x)
+  >>> branch = keras.layers.BatchNormalization(name="block1_bn2")(branch)
+  >>> model = keras.Model(x, keras.layers.Add()([x, branch]))
+  >>> report = apply_goyal_recipe(model, weight_decay=1e-4)
+  >>> report["zero_gamma"], report["weight_decay"]
+  (['block1_bn2'], ['block1_dense'])
 """
 
 import numbers

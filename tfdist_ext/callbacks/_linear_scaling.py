@@ -44,7 +44,11 @@ class MomentumCorrection(keras.callbacks.Callback):
         ``keras.optimizers.SGD`` with ``momentum > 0``.
 
     Example:
-      >>> model.fit(x, y, callbacks=[MomentumCorrection()])  # doctest: +SKIP
+      >>> import keras, numpy as np
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+      >>> model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+      >>> x, y = np.ones((64, 4), "float32"), np.ones((64, 1), "float32")
+      >>> _ = model.fit(x, y, verbose=0, callbacks=[MomentumCorrection()])
     """
 
     def __init__(self):
@@ -115,9 +119,15 @@ class LinearScalingWarmup(keras.callbacks.Callback):
         is a schedule, or unknown steps per epoch.
 
     Example:
-      >>> cb = LinearScalingWarmup(0.1, base_batch_size=32, per_replica_batch_size=32,
+      >>> import keras, numpy as np
+      >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+      >>> model.compile(keras.optimizers.SGD(0.1), "mse")
+      >>> x, y = np.ones((256, 4), "float32"), np.ones((256, 1), "float32")
+      >>> cb = LinearScalingWarmup(0.1, base_batch_size=32, per_replica_batch_size=64,
       ...                          warmup_epochs=2)
-      >>> model.fit(ds, epochs=10, callbacks=[cb])  # doctest: +SKIP
+      >>> _ = model.fit(x, y, batch_size=64, epochs=3, verbose=0, callbacks=[cb])
+      >>> round(float(model.optimizer.learning_rate), 4)   # 0.1 x 64 / 32 after warm-up
+      0.2
     """
 
     def __init__(self, base_learning_rate, base_batch_size, *, batch_size=None,

@@ -2,7 +2,7 @@
 
 Example:
   >>> import tfdist_ext
-  >>> opt = tfdist_ext.optimizers.LBFGS(memory=10, gtol=1e-5)  # doctest: +SKIP
+  >>> opt = tfdist_ext.optimizers.LBFGS(memory=10, gtol=1e-5)
 """
 
 from tfdist_ext.sandblaster._optimizer import LBFGS

@@ -45,7 +45,8 @@ class LinearScaling(keras.optimizers.schedules.LearningRateSchedule):
       >>> lr = LinearScaling(0.1, base_batch_size=256, batch_size=8192,
       ...                    warmup_epochs=5, steps_per_epoch=156,
       ...                    after=StepDecay(0.1, (30, 60, 80), steps_per_epoch=156))
-      >>> opt = keras.optimizers.SGD(lr, momentum=0.9)   # doctest: +SKIP
+      >>> import keras
+      >>> opt = keras.optimizers.SGD(lr, momentum=0.9)
       >>> round(float(lr(5 * 156)), 4)   # 32 x 0.1 once warm-up is over
       3.2
     """
