@@ -4,9 +4,9 @@ import importlib.metadata
 import os
 
 import pytest
-from conftest import REPO
 
 import tfdist_ext
+from conftest import REPO
 
 
 def _setup_cfg():
