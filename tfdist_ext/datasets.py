@@ -22,10 +22,20 @@ Example:
 
 import functools
 import importlib
+from collections.abc import Sequence
+from typing import Literal
+from typing import TYPE_CHECKING
+from typing import Union
 
 import numpy as np
 
+if TYPE_CHECKING:   # this module stays light: TensorFlow is imported on use
+    import tensorflow as tf
+
 SPLITS = ("train", "test")
+Split = Literal["train", "test"]
+# A tf.data.Dataset of (x, y), or the (x, y) arrays with as_numpy=True.
+Data = Union["tf.data.Dataset", tuple[np.ndarray, np.ndarray]]
 
 
 def _optional(module, loader, extra):
@@ -69,8 +79,8 @@ def _digits_arrays(test_fraction, seed):
     )
 
 
-def digits(split="train", *, flatten=False, test_fraction=0.25, seed=0,
-           as_numpy=False):
+def digits(split: Split = "train", *, flatten: bool = False, test_fraction: float = 0.25,
+           seed: int = 0, as_numpy: bool = False) -> Data:
     """scikit-learn's bundled handwritten digits, scaled to [0, 1].
 
     Args:
@@ -104,7 +114,8 @@ def _mnist1d_arrays(seed):
     return data["x"], data["y"], data["x_test"], data["y_test"]
 
 
-def mnist1d(split="train", *, channels=False, seed=42, as_numpy=False):
+def mnist1d(split: Split = "train", *, channels: bool = False, seed: int = 42,
+            as_numpy: bool = False) -> Data:
     """MNIST-1D, generated procedurally (standard arguments: 4000/1000, length 40).
 
     Args:
@@ -124,8 +135,9 @@ def mnist1d(split="train", *, channels=False, seed=42, as_numpy=False):
     return _result(x, y, as_numpy)
 
 
-def synthetic(num_examples=10000, *, input_shape=(32,), num_classes=10,
-              seed=0, noise=0.5, as_numpy=False):
+def synthetic(num_examples: int = 10000, *, input_shape: Sequence[int] = (32,),
+              num_classes: int = 10, seed: int = 0, noise: float = 0.5,
+              as_numpy: bool = False) -> Data:
     """A seeded synthetic classification set of any size.
 
     Examples are drawn around ``num_classes`` random class centres with
@@ -163,7 +175,8 @@ def synthetic(num_examples=10000, *, input_shape=(32,), num_classes=10,
     return _result(x.reshape((num_examples, *input_shape)), y, as_numpy)
 
 
-def from_tfds(name, split="train", *, data_dir, as_numpy=False):
+def from_tfds(name: str, split: str = "train", *, data_dir: str,
+              as_numpy: bool = False) -> Data:
     """A TFDS data set prepared on disk in ``data_dir``; never downloads.
 
     Returns ``(features, label)`` pairs (TFDS ``as_supervised=True``), images
@@ -194,7 +207,7 @@ def from_tfds(name, split="train", *, data_dir, as_numpy=False):
     return ds
 
 
-def as_numpy(dataset):
+def as_numpy(dataset: "tf.data.Dataset") -> tuple[np.ndarray, np.ndarray]:
     """Collects an unbatched ``(x, y)`` dataset into two NumPy arrays.
 
     Example:

@@ -13,6 +13,7 @@ Example:
 """
 
 import numbers
+from collections.abc import Sequence
 
 import keras
 
@@ -23,7 +24,8 @@ _NORMALIZATION = (
 )
 
 
-def apply_goyal_recipe(model, *, weight_decay=1e-4, zero_gamma=True, zero_gamma_layers=None):
+def apply_goyal_recipe(model: keras.Model, *, weight_decay: float = 1e-4, zero_gamma: bool = True,
+                       zero_gamma_layers: Sequence[str] | None = None) -> dict[str, list[str]]:
     """Applies the paper's implementation details (Sec. 3 and 5.1) to ``model``.
 
     * **Zero-gamma**: the last batch-norm layer of each residual branch gets
@@ -87,7 +89,7 @@ def apply_goyal_recipe(model, *, weight_decay=1e-4, zero_gamma=True, zero_gamma_
     return report
 
 
-def residual_branch_norms(model):
+def residual_branch_norms(model: keras.Model) -> list[keras.layers.Layer]:
     """The batch-norm layers that end a residual branch, one per ``Add``.
 
     Example:

@@ -3,6 +3,7 @@
 import time
 
 import keras
+import tensorflow as tf
 
 
 @keras.saving.register_keras_serializable(package="tfdist_ext")
@@ -40,7 +41,7 @@ class CompressionLogger(keras.callbacks.Callback):
     KEYS = ("wire_bytes", "dense_bytes", "compression_ratio", "compress_seconds",
             "compress_fraction")
 
-    def __init__(self, strategy=None, verbose=0):
+    def __init__(self, strategy: tf.distribute.Strategy | None = None, verbose: int = 0):
         super().__init__()
         if verbose not in (0, 1):
             raise ValueError(f"CompressionLogger: verbose must be 0 or 1, got {verbose!r}")
@@ -121,7 +122,8 @@ class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
       >>> model.fit(ds, epochs=10, callbacks=[cb])   # doctest: +SKIP
     """
 
-    def __init__(self, backup_dir, strategy=None, **kwargs):
+    def __init__(self, backup_dir: str, strategy: tf.distribute.Strategy | None = None,
+                 **kwargs):
         super().__init__(backup_dir, **kwargs)
         self.strategy = strategy
 

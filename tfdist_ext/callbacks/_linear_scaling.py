@@ -1,7 +1,10 @@
 """The linear scaling rule with warm-up as a Keras callback, and momentum correction (internal)."""
 
+from typing import Literal
+
 import keras
 import numpy as np
+import tensorflow as tf
 
 from tfdist_ext.schedules import _validate
 from tfdist_ext.schedules._linear_scaling import LinearScaling
@@ -130,10 +133,12 @@ class LinearScalingWarmup(keras.callbacks.Callback):
       0.2
     """
 
-    def __init__(self, base_learning_rate, base_batch_size, *, batch_size=None,
-                 per_replica_batch_size=None, data=None, warmup_epochs=5,
-                 warmup="gradual", steps_per_epoch=None, momentum_correction=False,
-                 verbose=0):
+    def __init__(self, base_learning_rate: float, base_batch_size: int, *,
+                 batch_size: int | None = None, per_replica_batch_size: int | None = None,
+                 data: tf.data.Dataset | None = None, warmup_epochs: float = 5,
+                 warmup: Literal["gradual", "constant"] = "gradual",
+                 steps_per_epoch: int | None = None, momentum_correction: bool = False,
+                 verbose: int = 0):
         super().__init__()
         owner = "LinearScalingWarmup"
         self.base_learning_rate = _validate.positive_number(

@@ -50,7 +50,7 @@ _NAMES = {
 }
 
 
-def get(identifier, **kwargs):
+def get(identifier: str | dict | Compressor, **kwargs) -> Compressor:
     """A compressor from a name (``"fp16"``, ``"topk"``, ...), a config dict, or itself.
 
     Keyword arguments go to the constructor. ``"ef_<name>"`` wraps the named

@@ -12,12 +12,22 @@ A compressor is a pure, optax-like pair of functions around a small state::
 only ``wire`` travels. All of it works inside ``tf.function``.
 """
 
+from collections.abc import Sequence
+from typing import Any
+
 import keras
 import tensorflow as tf
 
 from tfdist_ext.compression import _wire
 
 FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
+
+# The protocol's types: a gradient's shape, a state or wire form (a dict of
+# tensors, nested for wrapped compressors), a step or epoch counter.
+Shape = Sequence[int] | tf.TensorShape
+Tensors = dict[str, Any]
+DType = tf.dtypes.DType | str
+Counter = int | tf.Tensor
 
 
 def check_ratio(owner, name, value):
@@ -60,12 +70,13 @@ class Compressor:
     follows_epochs = False
     applies_momentum = False
 
-    def init(self, shape, dtype=tf.float32):
+    def init(self, shape: Shape, dtype: DType = tf.float32) -> Tensors:
         """Returns the initial state (a dict of tensors) for a gradient of ``shape``."""
         self.check_dtype(dtype)
         return {}
 
-    def check_dtype(self, dtype):
+    def check_dtype(self, dtype: DType) -> tf.dtypes.DType:
+        """Returns ``dtype`` as a ``tf.DType``; raises ``ValueError`` if it is not a float type."""
         dtype = tf.as_dtype(dtype)
         if dtype not in FLOAT_DTYPES:
             raise ValueError(
@@ -75,24 +86,28 @@ class Compressor:
             )
         return dtype
 
-    def compress(self, grad, state, step):
+    def compress(self, grad: tf.Tensor, state: Tensors, step: Counter) -> tuple[Tensors, Tensors]:
+        """Returns ``(wire, new_state)`` for ``grad`` (sender side)."""
         raise NotImplementedError
 
-    def decompress(self, wire, shape, dtype=tf.float32):
+    def decompress(self, wire: Tensors, shape: Shape, dtype: DType = tf.float32) -> tf.Tensor:
+        """The dense gradient a ``wire`` stands for (receiver side)."""
         raise NotImplementedError
 
-    def aggregate(self, wires, shape, dtype=tf.float32):
+    def aggregate(self, wires: Sequence[Tensors], shape: Shape,
+                  dtype: DType = tf.float32) -> tf.Tensor:
         """Sum over senders of the decompressed wires (receiver side)."""
         total = self.decompress(wires[0], shape, dtype)
         for w in wires[1:]:
             total += self.decompress(w, shape, dtype)
         return total
 
-    def wire_bytes(self, wire):
+    def wire_bytes(self, wire: Tensors) -> tf.Tensor:
         """Bytes the wire form occupies (int64 tensor)."""
         return _wire.wire_bytes(wire)
 
-    def roundtrip(self, grad, state=None, step=0):
+    def roundtrip(self, grad: tf.Tensor, state: Tensors | None = None,
+                  step: Counter = 0) -> tuple[tf.Tensor, Tensors]:
         """``decompress(compress(grad))``: what a receiver reconstructs; returns ``(grad, state)``."""
         grad = tf.convert_to_tensor(grad)
         if state is None:
@@ -150,7 +165,7 @@ class ErrorFeedback(Compressor):
       TensorShape([1000])
     """
 
-    def __init__(self, compressor, min_size=0):
+    def __init__(self, compressor: Compressor | dict, min_size: int = 0):
         if isinstance(compressor, dict):
             compressor = keras.saving.deserialize_keras_object(compressor)
         if not isinstance(compressor, Compressor):
@@ -162,7 +177,7 @@ class ErrorFeedback(Compressor):
                                        integer=True, allow_zero=True)
         self.name = f"ef_{compressor.name}"
 
-    def is_dense(self, shape):
+    def is_dense(self, shape: Shape) -> bool:
         """True when a gradient of ``shape`` has fewer than ``min_size`` elements (sent dense)."""
         return _wire.static_num_elements(shape) < self.min_size
 

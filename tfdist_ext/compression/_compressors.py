@@ -128,7 +128,7 @@ class TopK(Compressor):
 
     name = "topk"
 
-    def __init__(self, ratio=0.01):
+    def __init__(self, ratio: float = 0.01):
         self.ratio = check_ratio("TopK", "ratio", ratio)
 
     def k(self, n):
@@ -163,7 +163,7 @@ class RandomK(Compressor):
 
     name = "randomk"
 
-    def __init__(self, ratio=0.01, seed=0):
+    def __init__(self, ratio: float = 0.01, seed: int = 0):
         self.ratio = check_ratio("RandomK", "ratio", ratio)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ValueError(f"RandomK: seed must be an integer, got {seed!r}")
@@ -201,7 +201,7 @@ class Threshold(Compressor):
 
     name = "threshold"
 
-    def __init__(self, tau=1e-3):
+    def __init__(self, tau: float = 1e-3):
         self.tau = float(check_positive("Threshold", "tau", tau))
 
     def compress(self, grad, state, step):
@@ -233,7 +233,7 @@ class QSGD(Compressor):
 
     name = "qsgd"
 
-    def __init__(self, levels=4, seed=0):
+    def __init__(self, levels: int = 4, seed: int = 0):
         if isinstance(levels, bool) or not isinstance(levels, int) or levels < 1:
             raise ValueError(f"QSGD: levels must be an integer >= 1, got {levels!r}")
         if levels >= (1 << 16):
@@ -276,7 +276,7 @@ class TernGrad(Compressor):
 
     name = "terngrad"
 
-    def __init__(self, seed=0):
+    def __init__(self, seed: int = 0):
         self.seed = int(seed)
 
     def compress(self, grad, state, step):
@@ -365,7 +365,7 @@ class EFSignSGD(ErrorFeedback):
       >>> c = EFSignSGD(min_size=1024)   # biases and small layers dense
     """
 
-    def __init__(self, compressor=None, min_size=0):
+    def __init__(self, compressor: Compressor | dict | None = None, min_size: int = 0):
         super().__init__(ScaledSign() if compressor is None else compressor, min_size=min_size)
         self.name = "efsignsgd"
 
@@ -410,7 +410,7 @@ class OneBit(ErrorFeedback):
       >>> c = OneBit(min_size=1024)
     """
 
-    def __init__(self, compressor=None, min_size=0):
+    def __init__(self, compressor: Compressor | dict | None = None, min_size: int = 0):
         super().__init__(_OneBitQuantizer() if compressor is None else compressor, min_size=min_size)
         self.name = "onebit"
 
@@ -443,7 +443,7 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
 
-    def __init__(self, rank=2, seed=0):
+    def __init__(self, rank: int = 2, seed: int = 0):
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD: rank must be an integer >= 1, got {rank!r}")
         self.rank = rank
@@ -561,8 +561,10 @@ class DGC(Compressor):
 
     name = "dgc"
 
-    def __init__(self, sparsity=0.999, momentum=0.9, clip_norm=None, warmup_epochs=4,
-                 steps_per_epoch=None, momentum_correction=True, min_size=0):
+    def __init__(self, sparsity: float = 0.999, momentum: float = 0.9,
+                 clip_norm: float | None = None, warmup_epochs: int = 4,
+                 steps_per_epoch: int | None = None, momentum_correction: bool = True,
+                 min_size: int = 0):
         if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) \
                 or not 0.0 <= sparsity < 1.0:
             raise ValueError(f"DGC: sparsity must be a number in [0, 1), got {sparsity!r}")

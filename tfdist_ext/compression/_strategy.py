@@ -22,6 +22,7 @@ import contextlib
 import inspect
 import threading
 import weakref
+from collections.abc import Sequence
 
 import keras
 import tensorflow as tf
@@ -234,7 +235,7 @@ class _CompressedExchange:
                 self._state_slots[key] = slots
             return self._state_slots[key][replica]
 
-    def compression_stats(self):
+    def compression_stats(self) -> dict[str, float]:
         """Totals since the last reset, summed over this process' replicas.
 
         Returns a dict of Python numbers: ``wire_bytes`` (bytes the replicas
@@ -257,7 +258,7 @@ class _CompressedExchange:
                            if totals["wire_bytes"] else float("nan"))
         return totals
 
-    def reset_compression_state(self):
+    def reset_compression_state(self) -> None:
         """Puts every replica's compressor state back to ``compressor.init`` (e.g. between runs).
 
         Example:
@@ -268,7 +269,7 @@ class _CompressedExchange:
                 init = self._compression.init(shape, dtype)
                 self._write(state_vars, init)
 
-    def reset_compression_stats(self):
+    def reset_compression_stats(self) -> None:
         """Sets the byte and time counters to zero.
 
         Example:
@@ -458,7 +459,9 @@ class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStra
       >>> model.fit(ds, callbacks=[CompressionLogger()])           # doctest: +SKIP
     """
 
-    def __init__(self, devices=None, cross_device_ops=None, compression=None):
+    def __init__(self, devices: Sequence[str] | None = None,
+                 cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
+                 compression: Compressor | str | None = None):
         _integration.claim_collective_keys(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._setup_compression(compression)
@@ -481,7 +484,9 @@ class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
       ...     compression=compression.DGC(sparsity=0.999))
     """
 
-    def __init__(self, cluster_resolver=None, communication_options=None, compression=None):
+    def __init__(self, cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
+                 communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
+                 compression: Compressor | str | None = None):
         _integration.claim_collective_keys(self)
         super().__init__(cluster_resolver=cluster_resolver,
                          communication_options=communication_options)

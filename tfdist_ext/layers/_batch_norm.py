@@ -48,7 +48,7 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
       >>> y = bn(keras.random.normal((128, 10)), training=True)  # 4 groups of 32
     """
 
-    def __init__(self, virtual_batch_size, **kwargs):
+    def __init__(self, virtual_batch_size: int, **kwargs):
         name = "IndependentBatchNormalization"
         if (isinstance(virtual_batch_size, bool)
                 or not isinstance(virtual_batch_size, numbers.Integral)

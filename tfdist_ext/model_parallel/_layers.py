@@ -1,5 +1,8 @@
 """A ``Dense`` layer whose kernel is split column-wise across devices (internal)."""
 
+from collections.abc import Callable
+from collections.abc import Sequence
+
 import keras
 
 
@@ -37,9 +40,11 @@ class ColumnParallelDense(keras.layers.Layer):
       ...         keras.layers.Dense(10)])
     """
 
-    def __init__(self, units, num_shards=2, activation=None, use_bias=True,
-                 kernel_initializer="glorot_uniform", bias_initializer="zeros",
-                 devices=None, **kwargs):
+    def __init__(self, units: int, num_shards: int = 2, activation: str | Callable | None = None,
+                 use_bias: bool = True,
+                 kernel_initializer: str | keras.initializers.Initializer = "glorot_uniform",
+                 bias_initializer: str | keras.initializers.Initializer = "zeros",
+                 devices: Sequence[str] | None = None, **kwargs):
         super().__init__(**kwargs)
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"ColumnParallelDense: units must be a positive int, got {units!r}")

@@ -32,8 +32,12 @@ import contextlib
 import functools
 import threading
 import weakref
+from typing import Any
+
+import keras
 
 from tfdist_ext import _integration
+from tfdist_ext.model_parallel._plan import Plan
 
 _LOCAL = threading.local()
 
@@ -187,7 +191,8 @@ def variable_devices(model, plan):
     return out
 
 
-def apply_plan(model, plan, *, place_variables=True, colocated=None):
+def apply_plan(model: keras.Model, plan: Plan, *, place_variables: bool = True,
+               colocated: dict[int, Any] | None = None) -> keras.Model:
     """Places ``model``'s variables and computation as ``plan`` says.
 
     Idempotent. Variables already on their device stay; others are moved
@@ -307,7 +312,7 @@ def _move_optimizer_state(model, moved, colocated):
     _integration.reindex_optimizer(optimizer)
 
 
-def placement_report(model):
+def placement_report(model: keras.Model) -> dict[str, str]:
     """``{variable path: device}`` for every variable of ``model`` (for checks).
 
     Example:

@@ -25,8 +25,15 @@ needs no data; parameter bytes are exact anyway.
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Literal
 
+import keras
 import numpy as np
+
+# A built Keras model, or its layers in call order.
+ModelOrLayers = keras.Model | Sequence[keras.layers.Layer]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +220,7 @@ def _flops(layer, in_shape, out_shape):
     return out_elems
 
 
-def layer_costs(model_or_layers):
+def layer_costs(model_or_layers: ModelOrLayers) -> list[LayerCost]:
     """Static per-layer costs (:class:`LayerCost`) of a built model, in call order.
 
     Example:
@@ -356,9 +363,11 @@ def _balanced_bounds(costs, k, weight, tolerance, offsets=None):
     return sorted(cuts)[1:]
 
 
-def plan_partition(model_or_layers, devices, partition="balanced", *,
-                   balance_by="params", device_budget_bytes=None,
-                   split_large_layers=True, tolerance=0.0):
+def plan_partition(model_or_layers: ModelOrLayers,
+                   devices: Sequence[str], partition: str | Mapping[str, str] = "balanced", *,
+                   balance_by: Literal["params", "flops"] = "params",
+                   device_budget_bytes: int | None = None,
+                   split_large_layers: bool = True, tolerance: float = 0.0) -> Plan:
     """Plans contiguous stages of a built Keras model over ``devices``.
 
     This is the placement engine of :class:`ModelParallelStrategy`, usable on its

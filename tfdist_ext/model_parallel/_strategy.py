@@ -40,6 +40,9 @@ import dataclasses
 import functools
 import warnings
 import weakref
+from collections.abc import Mapping
+from collections.abc import Sequence
+from typing import Literal
 
 import keras
 import tensorflow as tf
@@ -270,8 +273,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
       >>> print(strategy.plan)                                    # doctest: +SKIP
     """
 
-    def __init__(self, devices, partition="balanced", microbatches=1, *,
-                 balance_by="params", device_budget_bytes=None, split_large_layers=True):
+    def __init__(self, devices: Sequence[str], partition: str | Mapping[str, str] = "balanced",
+                 microbatches: int = 1, *, balance_by: Literal["params", "flops"] = "params",
+                 device_budget_bytes: int | None = None, split_large_layers: bool = True):
         devices = _check_devices(devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")

@@ -1,16 +1,22 @@
 """``minimize``: Sandblaster L-BFGS outside Keras."""
 
+from collections.abc import Callable
+from collections.abc import Sequence
+
 import numpy as np
 import tensorflow as tf
 
 from tfdist_ext.sandblaster._fit import read_dataset
 from tfdist_ext.sandblaster._lbfgs import LBFGSRun
+from tfdist_ext.sandblaster._lbfgs import OptimizeResult
 from tfdist_ext.sandblaster._optimizer import LBFGS
 
 
-def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
-             ftol=2.220446049250313e-09, max_iterations=15000, max_line_search=20,
-             c1=1e-4, c2=0.9, callback=None):
+def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
+             strategy: tf.distribute.Strategy, memory: int = 10, gtol: float = 1e-5,
+             ftol: float = 2.220446049250313e-09, max_iterations: int = 15000,
+             max_line_search: int = 20, c1: float = 1e-4, c2: float = 0.9,
+             callback: Callable | None = None) -> OptimizeResult:
     """Minimises the mean of ``loss_fn`` over ``data`` by Sandblaster L-BFGS.
 
     For users outside Keras, in the manner of ``scipy.optimize.minimize``:

@@ -46,9 +46,10 @@ class LBFGS(keras.optimizers.Optimizer):
       >>> model.fit(x, y, epochs=50)  # doctest: +SKIP
     """
 
-    def __init__(self, memory=10, gtol=1e-5, ftol=2.220446049250313e-09, max_iterations=None,
-                 line_search="strong_wolfe", max_line_search=20, c1=1e-4, c2=0.9,
-                 name="lbfgs", **kwargs):
+    def __init__(self, memory: int = 10, gtol: float = 1e-5, ftol: float = 2.220446049250313e-09,
+                 max_iterations: int | None = None, line_search: str = "strong_wolfe",
+                 max_line_search: int = 20, c1: float = 1e-4, c2: float = 0.9,
+                 name: str = "lbfgs", **kwargs):
         kwargs.pop("learning_rate", None)
         for key in _KERAS_ONLY:
             if kwargs.get(key) not in (None, False):

@@ -71,8 +71,9 @@ class SandblasterStrategy(ParameterServerBase):
 
     _owner = "SandblasterStrategy"
 
-    def __init__(self, cluster_resolver, *, slices_per_worker=10, backup_tasks=True,
-                 max_copies=2, min_shard_bytes=256 << 10, deadline=60.0):
+    def __init__(self, cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver, *,
+                 slices_per_worker: int = 10, backup_tasks: bool = True, max_copies: int = 2,
+                 min_shard_bytes: int = 256 << 10, deadline: float = 60.0):
         self.slices_per_worker = positive_int(self._owner, "slices_per_worker", slices_per_worker)
         if not isinstance(backup_tasks, bool):
             raise ValueError(f"SandblasterStrategy: backup_tasks must be True or False, "

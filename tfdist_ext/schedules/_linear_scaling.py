@@ -1,5 +1,9 @@
 """Linear learning-rate scaling with warm-up (Goyal et al., 2017) (internal)."""
 
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Literal
+
 import keras
 from keras import ops
 
@@ -51,9 +55,10 @@ class LinearScaling(keras.optimizers.schedules.LearningRateSchedule):
       3.2
     """
 
-    def __init__(self, base_learning_rate, base_batch_size, batch_size, *,
-                 warmup_epochs=5, steps_per_epoch=None, warmup="gradual",
-                 after=None, total_epochs=None):
+    def __init__(self, base_learning_rate: float, base_batch_size: int, batch_size: int, *,
+                 warmup_epochs: float = 5, steps_per_epoch: int | None = None,
+                 warmup: Literal["gradual", "constant"] = "gradual",
+                 after: Callable | None = None, total_epochs: float | None = None):
         owner = "LinearScaling"
         self.base_learning_rate = _validate.positive_number(
             owner, "base_learning_rate", base_learning_rate)
@@ -151,7 +156,8 @@ class StepDecay(keras.optimizers.schedules.LearningRateSchedule):
       0.001
     """
 
-    def __init__(self, base_learning_rate, boundaries, *, steps_per_epoch, factor=0.1):
+    def __init__(self, base_learning_rate: float, boundaries: Sequence[float], *,
+                 steps_per_epoch: int, factor: float = 0.1):
         owner = "StepDecay"
         self.base_learning_rate = _validate.positive_number(
             owner, "base_learning_rate", base_learning_rate)
