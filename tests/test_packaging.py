@@ -1,5 +1,6 @@
 """Packaging: one version string, TensorFlow and the data sets as extras, py.typed."""
 
+import configparser
 import importlib.metadata
 import os
 
@@ -16,6 +17,9 @@ def _setup_cfg():
 
 
 def test_setup_cfg_takes_the_version_from_the_package():
+    config = configparser.ConfigParser()
+    config.read(os.path.join(REPO, "setup.cfg"))
+    assert config["metadata"]["version"] == "attr: tfdist_ext.__version__"   # not a second copy
     assert _setup_cfg()["metadata"]["version"] == tfdist_ext.__version__
 
 
