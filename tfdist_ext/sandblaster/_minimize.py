@@ -1,5 +1,7 @@
 """``minimize``: Sandblaster L-BFGS outside Keras."""
 
+import time
+
 import numpy as np
 import tensorflow as tf
 
@@ -10,7 +12,7 @@ from tfdist_ext.sandblaster._optimizer import LBFGS
 
 def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
              ftol=2.220446049250313e-09, max_iterations=15000, max_line_search=20,
-             c1=1e-4, c2=0.9, callback=None):
+             c1=1e-4, c2=0.9, callback=None, verbose=0):
     """Minimises the mean of ``loss_fn`` over ``data`` by Sandblaster L-BFGS.
 
     For users outside Keras, in the manner of ``scipy.optimize.minimize``:
@@ -31,6 +33,9 @@ def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
       memory, gtol, ftol, max_iterations, max_line_search, c1, c2: as in
         ``tfdist_ext.optimizers.LBFGS`` (SciPy's defaults).
       callback: called with each iteration's record (a dict).
+      verbose: 0 (silent) or 1: a line per iteration (as SciPy's ``disp``):
+        iteration, loss, max |gradient|, passes, seconds since the start;
+        and a last line with the stopping message.
 
     Returns:
       An ``OptimizeResult`` (``fun``, ``nit``, ``nfev``, ``status``,
@@ -53,6 +58,9 @@ def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
     """
     options = LBFGS(memory=memory, gtol=gtol, ftol=ftol, max_iterations=max_iterations,
                     max_line_search=max_line_search, c1=c1, c2=c2)
+    if verbose not in (0, 1):
+        raise ValueError(f"minimize: verbose must be 0 (silent) or 1 (a line per iteration), "
+                         f"got {verbose!r}")
     if not getattr(strategy, "_owner", None) == "SandblasterStrategy":
         raise ValueError(f"minimize: strategy must be a SandblasterStrategy, got {strategy!r}")
     variables = list(variables)
@@ -72,10 +80,23 @@ def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
     evaluator = strategy._evaluator(("minimize", id(loss_fn)), loss_fn, variables, objective,
                                     data, memory)
     run = LBFGSRun(options, evaluator.vectors, evaluator)
+    start = time.perf_counter()
     while not run.done:
         record = run.step()
+        if verbose:
+            print_iteration(record, time.perf_counter() - start)
         if callback is not None:
             callback(record)
     result = run.result()
+    if verbose:
+        print(f"L-BFGS stopped after {result.nit} iterations, {result.nfev} passes, "
+              f"{time.perf_counter() - start:.1f} s: {result.message}", flush=True)
     result["x"] = [v.numpy() for v in variables]
     return result
+
+
+def print_iteration(record, seconds):
+    """One line of progress for an iteration's record (``verbose=1``)."""
+    print(f"L-BFGS iteration {record['iteration']:4d}: loss {record['loss']:.8g}  "
+          f"max|g| {record['grad_max']:.2e}  passes {record['function_evals']:2d}  "
+          f"{seconds:6.1f} s", flush=True)
