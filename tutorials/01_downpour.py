@@ -73,7 +73,7 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    epochs, steps = (2, 40) if args.quick else (6, 100)
+    epochs, steps = (3, 80) if args.quick else (6, 100)
 
     with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
         for task, devices in cluster.ping().items():
