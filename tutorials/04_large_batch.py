@@ -169,7 +169,8 @@ def main(argv=None):
         loaded = keras.saving.load_model(path)
     same = np.allclose(loaded.predict(data[1][0][:100], verbose=0),
                        small.predict(data[1][0][:100], verbose=0), atol=1e-5)
-    print(f"  schedule {type(loaded.optimizer._learning_rate).__name__}, "
+    schedule = loaded.optimizer.get_config()["learning_rate"]     # the schedule's config
+    print(f"  schedule {schedule['class_name']}, "
           f"BN {type(loaded.get_layer('stem_bn')).__name__}"
           f"(virtual_batch_size={loaded.get_layer('stem_bn').virtual_batch_size}), "
           f"same predictions: {same}")
