@@ -53,7 +53,10 @@ def minimize(loss_fn, variables, data, *, strategy, memory=10, gtol=1e-5,
       ...     x, y = batch
       ...     logits = tf.matmul(x, params[0])
       ...     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-      >>> result = tfdist_ext.sandblaster.minimize(loss_fn, [w], (x, y), strategy=strategy)  # doctest: +SKIP
+      >>> result = tfdist_ext.sandblaster.minimize(loss_fn, [w], (x, y), strategy=strategy,
+      ...                                          verbose=1)  # doctest: +SKIP
+      L-BFGS iteration    1: loss 1.6722314  max|g| 2.31e-01  passes  2     0.4 s
+      ...
       >>> result.fun, result.nit, result.message  # doctest: +SKIP
     """
     options = LBFGS(memory=memory, gtol=gtol, ftol=ftol, max_iterations=max_iterations,
