@@ -122,8 +122,9 @@ def main(argv=None):
         h = history.history
         print(f"Sandblaster L-BFGS (2 workers, 2 ps): loss {result.fun:.8f} after "
               f"{result.nit} iterations, {result.nfev} passes, {seconds:.1f} s")
-        print(f"  stopped: {result.message if result.status is not None else 'after the '
-                            f'{epochs} epochs fit was given, before a stopping rule fired'}")
+        stopped = (result.message if result.status is not None else
+                   f"after the {epochs} epochs fit was given, before a stopping rule fired")
+        print(f"  stopped: {stopped}")
         print(f"  train accuracy {h['accuracy'][-1]:.4f}, held-out accuracy "
               f"{h['val_accuracy'][-1]:.4f}")
         print(f"  the coordinator received {np.median(h['coordinator_bytes']):.0f} bytes per "
