@@ -3,7 +3,8 @@
 Starts a real local cluster (2 workers, 1 parameter server on 127.0.0.1),
 reports each task as alive, trains an MLP on the bundled digits with Downpour
 SGD through Keras ``model.fit``, and prints its held-out accuracy next to the
-same model trained for the same number of steps in one process.
+same model trained for the same number of steps in one process, then why
+Downpour takes longer here and what the run does show.
 """
 
 import argparse
