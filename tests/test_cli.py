@@ -28,3 +28,5 @@ def test_demo_runs_and_reports_accuracy():
     for task in ("worker:0", "worker:1", "ps:0"):
         assert f"{task}" in out and "alive" in out
     assert "held-out accuracy" in out
+    assert "why Downpour is slower here" in out and "python -m benchmarks.run downpour" in out
+    assert "what this shows" in out and "staleness mean" in out

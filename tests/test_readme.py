@@ -15,8 +15,6 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 
-# Blocks that fail today because of a numbered failure of issue 12, by section.
-
 def python_blocks(text):
     """``(section slug, code)`` for each ```python block, in order."""
     blocks, section = [], "top"

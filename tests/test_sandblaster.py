@@ -166,9 +166,9 @@ def test_strategy_argument_errors():
 
 # ---------------------------------------------------------------- on a cluster
 
-def test_fit_matches_scipy_lbfgs_b(script):
+def test_fit_matches_scipy_lbfgs_b(script, tmp_path):
     """Keras fit on digits (sharded kernel on 2 ps) reaches SciPy's optimum; metrics, save/load."""
-    proc = script(PRELUDE + r"""
+    proc = script(PRELUDE + f"path = {str(tmp_path / 'fit.keras')!r}\n" + r"""
 ref = scipy_reference(x, y)
 with LocalCluster(num_workers=2, num_ps=2) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, min_shard_bytes=1024)
@@ -185,7 +185,6 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     kernel, bias = model.trainable_variables
     W, b = np.asarray(kernel), np.asarray(bias)
     preds = np.argmax(model.predict(x, verbose=0), 1)
-    path = "/tmp/sandblaster_fit_test.keras"
     model.save(path)
     loaded = keras.models.load_model(path, compile=True)
     report(fun=r.fun, nit=r.nit, nfev=r.nfev, status=r.status, message=r.message,

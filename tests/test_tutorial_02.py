@@ -14,3 +14,6 @@ def test_tutorial_02_sandblaster_runs(tutorial):
     assert abs(slowed - plain) <= 1e-5 * plain
     held_out = float(out.split("held-out accuracy ")[-1].split()[0])
     assert held_out > 0.9
+    verdict = out.rstrip().splitlines()[-1]
+    assert verdict.startswith("VERDICT: Sandblaster L-BFGS matches SciPy's L-BFGS-B"), verdict
+    assert "needs the full run (this quick run stops after 30 iterations" in verdict

@@ -11,4 +11,6 @@ def test_tutorial_04_runs_quick(tutorial):
     assert "replicas 2, global batch 128 (k = 8)" in out
     assert "schedule LinearScaling, BN IndependentBatchNormalization(virtual_batch_size=16), " \
            "same predictions: True" in out
-    assert out.rstrip().endswith("done")
+    verdict = out.rstrip().splitlines()[-1]
+    assert verdict.startswith("VERDICT: k = 8 within 1 point of k = 1"), verdict
+    assert "needs the full run" in verdict and "python -m benchmarks.run large_batch" in verdict

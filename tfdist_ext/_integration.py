@@ -467,12 +467,28 @@ def _wrap_entry_point(name):
         try:
             handler = getattr(_strategy_of(self), f"_tfdist_{name}", None)
             if handler is not None:
+                if name == "fit":
+                    kwargs = _no_default_shuffle(original, self, args, kwargs)
                 return handler(self, original, args, kwargs)
             return original(self, *args, **kwargs)
         finally:
             _current_model.reset(token)
 
     setattr(TensorFlowTrainer, name, entry_point)
+
+
+def _no_default_shuffle(fit, model, args, kwargs):
+    """``kwargs`` with ``shuffle=False`` when ``x`` is a dataset and the user left
+    ``shuffle`` out: Keras's default ``shuffle=True`` would only make it warn
+    that it ignores the flag for a dataset. An explicit ``shuffle`` is kept."""
+    try:
+        arguments = inspect.signature(fit).bind(model, *args, **kwargs).arguments
+    except TypeError:   # a wrong call: Keras's fit raises its own error
+        return kwargs
+    datasets = (tf.data.Dataset, tf.distribute.DistributedDataset)
+    if "shuffle" in arguments or not isinstance(arguments.get("x"), datasets):
+        return kwargs
+    return dict(kwargs, shuffle=False)
 
 
 def install_optimizer_hooks():

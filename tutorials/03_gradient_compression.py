@@ -1,6 +1,6 @@
 """Tutorial 03: gradient compression that shrinks the bytes on the wire.
 
-Run from the repository root (about a minute on a 2-core CPU)::
+Run from the repository root (under a minute on a 2-core CPU)::
 
     python tutorials/03_gradient_compression.py
 
@@ -36,7 +36,7 @@ import tensorflow as tf  # noqa: E402
 
 from tfdist_ext import compression as C  # noqa: E402
 from tfdist_ext import datasets  # noqa: E402
-from tfdist_ext.callbacks._compression import CompressionLogger  # noqa: E402
+from tfdist_ext.callbacks import CompressionLogger  # noqa: E402
 
 SEED = 0
 
@@ -97,10 +97,14 @@ def fit(strategy, momentum, epochs, callbacks=()):
     return model, model.evaluate(x_test, y_test, verbose=0)[1]
 
 
-def part3_fit(epochs=8):
+def part3_fit(epochs=12):
     print("\n== 3. model.fit with DGC over 2 devices vs dense all-reduce ==")
     # The warm-up's epochs are fit's epochs (no steps_per_epoch needed).
-    dgc = C.DGC(sparsity=0.999, momentum=0.9, clip_norm=5.0, warmup_epochs=2)
+    # Tensors under 1024 entries (biases, the conv kernel) go dense, as in DGC's
+    # reference implementation: at 99.9% sparsity a 10-entry bias would send
+    # nothing for hundreds of steps. (With every tensor sparsified, 8 epochs
+    # of this run gave DGC 0.876 against dense 0.967.)
+    dgc = C.DGC(sparsity=0.999, momentum=0.9, clip_norm=5.0, warmup_epochs=2, min_size=1024)
     strategy = C.CompressedMirroredStrategy(DEVICES, compression=dgc)
     logger = CompressionLogger(verbose=1)
     # DGC keeps the momentum itself (momentum correction): plain SGD outside
@@ -114,7 +118,7 @@ def part3_fit(epochs=8):
     print(f"  whole run: {stats['wire_bytes'] / 1e6:.2f} MB sent for "
           f"{stats['dense_bytes'] / 1e6:.2f} MB dense (x{stats['ratio']:.0f}; "
           f"last epoch x{logger.history[-1]['compression_ratio']:.0f})")
-    return strategy, model
+    return strategy, model, acc, dense_acc
 
 
 def part4_checkpoint(strategy, model):
@@ -138,8 +142,12 @@ def part4_checkpoint(strategy, model):
 def main():
     part1_wire_forms()
     part2_error_feedback()
-    strategy, model = part3_fit()
+    strategy, model, acc, dense_acc = part3_fit()
     part4_checkpoint(strategy, model)
+    within = acc >= dense_acc - 0.005
+    print(f"\nVERDICT: DGC 99.9% within 0.5 points of dense: {'yes' if within else 'no'} "
+          f"(this run: dense {dense_acc:.3f}, DGC {acc:.3f}, seed {SEED}; README, 3 seeds: "
+          "MNIST-1D 0.0, digits -0.3 points)")
 
 
 if __name__ == "__main__":

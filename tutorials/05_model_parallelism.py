@@ -8,17 +8,17 @@ GPUs needed) in well under a minute:
 
     python tutorials/05_model_parallelism.py
 
-Steps:
-  1. split the CPU into 2 logical devices;
-  2. train a partitioned model with ``ModelParallelStrategy`` (``fit``,
+First the CPU is split into 2 logical devices (before TensorFlow starts), then:
+  1. train a partitioned model with ``ModelParallelStrategy`` (``fit``,
      ``evaluate``, ``predict`` as usual) and read its plan;
-  3. check that variables *and* ops are on their planned devices;
-  4. GPipe micro-batches: the gradients equal the one-device gradients;
-  5. an explicit partition, a layer too big for one device (split
-     column-wise automatically under a per-device budget), and a model too
-     big for one device (each variable created on its stage's device);
-  6. save and load;
-  7. the placement engine on its own (``plan_partition`` + ``apply_plan``).
+  2. check that variables *and* ops are on their planned devices;
+  3. GPipe micro-batches: the gradients equal the one-device gradients;
+  4. an explicit partition, a layer too big for one device (refused with
+     splitting off, split column-wise automatically under a per-device
+     budget), and a model too big for one device (each variable created on
+     its stage's device);
+  5. save and load;
+  6. the placement engine on its own (``plan_partition`` + ``apply_plan``).
 """
 
 import os
@@ -26,7 +26,7 @@ import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-# 1. Logical devices must be configured before TensorFlow starts.
+# Logical devices must be configured before TensorFlow starts.
 from tfdist_ext.cluster import logical_cpus  # noqa: E402
 
 DEVICES = logical_cpus(2)
@@ -65,8 +65,8 @@ def main():
     x_train, y_train = datasets.digits("train", flatten=True, as_numpy=True)
     x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
 
-    # 2. Build and compile under the strategy's scope; train as usual.
-    print("== 2. ModelParallelStrategy: balanced plan, 4 micro-batches ==")
+    # 1. Build and compile under the strategy's scope; train as usual.
+    print("== 1. ModelParallelStrategy: balanced plan, 4 micro-batches ==")
     strategy = ModelParallelStrategy(DEVICES, partition="balanced", microbatches=4)
     keras.utils.set_random_seed(SEED)
     with strategy.scope():
@@ -80,8 +80,8 @@ def main():
     # with the fewest activation bytes.
     print(strategy.plan)
 
-    # 3. Variables live on their stage's device; so do the ops of the step.
-    print("\n== 3. placement ==")
+    # 2. Variables live on their stage's device; so do the ops of the step.
+    print("\n== 2. placement ==")
     for path, device in placement_report(model).items():
         print(f"  {path:28s} {short(device)}")
     step = tf.function(lambda x, y: strategy.run(model.train_step, args=((x, y),)))
@@ -96,8 +96,8 @@ def main():
     for (device, op_type), n in sorted(per_device.items()):
         print(f"  {device}: {n:3d} x {op_type}")
 
-    # 4. Micro-batch pipelining changes the schedule, not the math.
-    print("\n== 4. pipelined gradients vs one device ==")
+    # 3. Micro-batch pipelining changes the schedule, not the math.
+    print("\n== 3. pipelined gradients vs one device ==")
     def copy_without_dropout():  # dropout would make the two runs differ
         copy = keras.models.clone_model(model)
         copy.set_weights(model.get_weights())
@@ -122,17 +122,16 @@ def main():
                 for g, r in zip(grads4, ref_grads))
     print(f"loss {float(loss4):.6f} vs {float(ref_loss):.6f}; "
           f"largest gradient difference / largest gradient = {worst:.1e}")
-    assert worst < 1e-5
 
-    # 5a. An explicit partition: {layer name: device}; parameter-free layers
+    # 4a. An explicit partition: {layer name: device}; parameter-free layers
     # may be left out (they follow the previous layer).
-    print("\n== 5. explicit partition; a layer too big for one device ==")
+    print("\n== 4. explicit partition; a layer too big for one device ==")
     names = [layer.name for layer in model.layers]
     explicit = {names[0]: DEVICES[0], names[1]: DEVICES[0], names[3]: DEVICES[1],
                 names[4]: DEVICES[1]}
     print(plan_partition(model, DEVICES, explicit))
 
-    # 5b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget. With
+    # 4b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget. With
     # splitting off that is an error at plan time, naming the layer ...
     def wide_model():
         return keras.Sequential([keras.Input((64,)),
@@ -143,7 +142,7 @@ def main():
         plan_partition(wide_model(), DEVICES, device_budget_bytes=800_000,
                        split_large_layers=False)
     except ValueError as e:
-        print(f"ValueError: {e}")
+        print(f"expected refusal (split_large_layers=False), a ValueError at plan time: {e}")
     # ... by default the planner splits it column-wise into as many shards as
     # needed, each shard's variables and matmuls on its own device.
     budgeted = ModelParallelStrategy(DEVICES, device_budget_bytes=800_000)
@@ -158,7 +157,7 @@ def main():
     # (In a functional model, write the layer as ColumnParallelDense(4096,
     # num_shards=2) yourself: automatic splitting needs a Sequential model.)
 
-    # 5c. A model larger than one device whose layers each fit: under a budget
+    # 4c. A model larger than one device whose layers each fit: under a budget
     # each variable is created on its stage's device while the model is built
     # (the devices fill in order), so the model never has to fit on one
     # device; the plan keeps the layers where they were created.
@@ -176,19 +175,20 @@ def main():
     large.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
     print(deep.plan)
 
-    # 6. Save and load as usual; loading under a strategy places the model again.
-    print("\n== 6. save / load ==")
-    path = os.path.join(tempfile.mkdtemp(), "partitioned.keras")
-    model.save(path)
-    with strategy.scope():
-        loaded = keras.models.load_model(path)
+    # 5. Save and load as usual; loading under a strategy places the model again.
+    print("\n== 5. save / load ==")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "partitioned.keras")
+        model.save(path)
+        with strategy.scope():
+            loaded = keras.models.load_model(path)
     same = np.allclose(loaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0),
                        atol=1e-5)
     print(f"reloaded predictions identical: {same}")
 
-    # 7. The engine alone: plan and place a model built anywhere (this is how a
+    # 6. The engine alone: plan and place a model built anywhere (this is how a
     # data-parallel strategy can spread each of its replicas over devices).
-    print("\n== 7. plan_partition + apply_plan on a plain Keras model ==")
+    print("\n== 6. plan_partition + apply_plan on a plain Keras model ==")
     keras.utils.set_random_seed(SEED)
     plain = mlp()
     plan = plan_partition(plain, DEVICES, balance_by="flops")
@@ -197,6 +197,12 @@ def main():
     plain.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0)
     print(plan)
     print(f"test accuracy {plain.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
+
+    # The README's claims: gradients equal (checked here), speed (the benchmark).
+    print(f"\nVERDICT: pipelined gradients equal one device's: {'yes' if worst < 1e-5 else 'no'} "
+          f"(largest difference / largest gradient {worst:.1e}, seed {SEED}); the README's "
+          "pipelining speed-up (1.45x, batch 2048, 4 micro-batches) needs the long run: "
+          "python -m benchmarks.run model_parallel")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """``minimize``: Sandblaster L-BFGS outside Keras."""
 
+import time
 from collections.abc import Callable
 from collections.abc import Sequence
 
@@ -16,7 +17,7 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
              strategy: tf.distribute.Strategy, memory: int = 10, gtol: float = 1e-5,
              ftol: float = 2.220446049250313e-09, max_iterations: int = 15000,
              max_line_search: int = 20, c1: float = 1e-4, c2: float = 0.9,
-             callback: Callable | None = None) -> OptimizeResult:
+             callback: Callable | None = None, verbose: int = 0) -> OptimizeResult:
     """Minimises the mean of ``loss_fn`` over ``data`` by Sandblaster L-BFGS.
 
     For users outside Keras, in the manner of ``scipy.optimize.minimize``:
@@ -37,6 +38,9 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
       memory, gtol, ftol, max_iterations, max_line_search, c1, c2: as in
         ``tfdist_ext.optimizers.LBFGS`` (SciPy's defaults).
       callback: called with each iteration's record (a dict).
+      verbose: 0 (silent) or 1: a line per iteration (as SciPy's ``disp``):
+        iteration, loss, max |gradient|, passes, seconds since the start;
+        and a last line with the stopping message.
 
     Returns:
       An ``OptimizeResult`` (``fun``, ``nit``, ``nfev``, ``status``,
@@ -54,11 +58,17 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
       ...     x, y = batch
       ...     logits = tf.matmul(x, params[0])
       ...     return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-      >>> result = tfdist_ext.sandblaster.minimize(loss_fn, [w], (x, y), strategy=strategy)  # doctest: +SKIP
+      >>> result = tfdist_ext.sandblaster.minimize(loss_fn, [w], (x, y), strategy=strategy,
+      ...                                          verbose=1)  # doctest: +SKIP
+      L-BFGS iteration    1: loss 1.6722314  max|g| 2.31e-01  passes  2     0.4 s
+      ...
       >>> result.fun, result.nit, result.message  # doctest: +SKIP
     """
     options = LBFGS(memory=memory, gtol=gtol, ftol=ftol, max_iterations=max_iterations,
                     max_line_search=max_line_search, c1=c1, c2=c2)
+    if verbose not in (0, 1):
+        raise ValueError(f"minimize: verbose must be 0 (silent) or 1 (a line per iteration), "
+                         f"got {verbose!r}")
     if not getattr(strategy, "_owner", None) == "SandblasterStrategy":
         raise ValueError(f"minimize: strategy must be a SandblasterStrategy, got {strategy!r}")
     variables = list(variables)
@@ -78,10 +88,23 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
     evaluator = strategy._evaluator(("minimize", id(loss_fn)), loss_fn, variables, objective,
                                     data, memory)
     run = LBFGSRun(options, evaluator.vectors, evaluator)
+    start = time.perf_counter()
     while not run.done:
         record = run.step()
+        if verbose:
+            print_iteration(record, time.perf_counter() - start)
         if callback is not None:
             callback(record)
     result = run.result()
+    if verbose:
+        print(f"L-BFGS stopped after {result.nit} iterations, {result.nfev} passes, "
+              f"{time.perf_counter() - start:.1f} s: {result.message}", flush=True)
     result["x"] = [v.numpy() for v in variables]
     return result
+
+
+def print_iteration(record, seconds):
+    """One line of progress for an iteration's record (``verbose=1``)."""
+    print(f"L-BFGS iteration {record['iteration']:4d}: loss {record['loss']:.8g}  "
+          f"max|g| {record['grad_max']:.2e}  passes {record['function_evals']:2d}  "
+          f"{seconds:6.1f} s", flush=True)
