@@ -40,7 +40,8 @@ def test_start_ping_kill_restart_and_teardown():
     with LocalCluster(num_workers=2, num_ps=1, start_timeout=120) as cluster:
         spec = cluster.cluster_spec.as_dict()
         assert set(spec) == {"chief", "worker", "ps"}
-        assert all(a.startswith("127.0.0.1:") for addrs in spec.values() for a in addrs)
+        host = "10.213." if cluster.isolated else "127.0.0.1:"
+        assert all(a.startswith(host) for addrs in spec.values() for a in addrs)
         assert len(set(a for addrs in spec.values() for a in addrs)) == 4
         statuses = cluster.ping()
         assert statuses == {
@@ -59,7 +60,7 @@ def test_start_ping_kill_restart_and_teardown():
         assert not cluster.alive("worker", 1)
         assert _gone(victim)
         start = time.monotonic()
-        with pytest.raises(ClusterTimeoutError, match="worker:1|127.0.0.1"):
+        with pytest.raises(ClusterTimeoutError, match=cluster.address("worker", 1)):
             ping(cluster.address("worker", 1), timeout=2.0)
         assert time.monotonic() - start < 10
         # The others are untouched.
@@ -118,13 +119,8 @@ def test_unreachable_task_fails_within_deadline():
 
 @pytest.mark.timeout(60)
 def test_task_that_cannot_start_reports_its_output(monkeypatch):
-    from tfdist_ext.cluster import _local
-    real_popen = _local.subprocess.Popen
-
-    def broken_popen(cmd, **kw):
-        return real_popen([sys.executable, "-c", "import sys; sys.exit('injected failure')"], **kw)
-
-    monkeypatch.setattr(_local.subprocess, "Popen", broken_popen)
+    monkeypatch.setattr(LocalCluster, "_argv", lambda self, job: [
+        sys.executable, "-c", "import sys; sys.exit('injected failure')"])
     cluster = LocalCluster(num_workers=1, num_ps=0)
     with pytest.raises(ClusterError, match="worker:0 exited with status 1(.|\\n)*injected failure"):
         cluster.start()
@@ -134,13 +130,8 @@ def test_task_that_cannot_start_reports_its_output(monkeypatch):
 @pytest.mark.timeout(60)
 def test_start_deadline_is_enforced(monkeypatch):
     # A task that never becomes ready must fail the start within start_timeout.
-    from tfdist_ext.cluster import _local
-    real_popen = _local.subprocess.Popen
-
-    def silent_popen(cmd, **kw):
-        return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
-
-    monkeypatch.setattr(_local.subprocess, "Popen", silent_popen)
+    monkeypatch.setattr(LocalCluster, "_argv", lambda self, job: [
+        sys.executable, "-c", "import time; time.sleep(60)"])
     cluster = LocalCluster(num_workers=1, num_ps=0, start_timeout=2)
     start = time.monotonic()
     with pytest.raises(ClusterTimeoutError, match="worker:0 did not answer within 2s"):
