@@ -338,8 +338,9 @@ class LocalCluster:
         kind = "loopback" if missing or isolated is False else "isolated"
         if _NETWORK["kind"] not in (None, kind):
             raise ClusterError(
-                f"LocalCluster: this process already ran a {_NETWORK['kind']} cluster; "
-                f"a {kind} one cannot follow it (the TensorFlow and gRPC threads of "
+                f"LocalCluster: this process already ran a cluster with "
+                f"isolated={_NETWORK['kind'] == 'isolated'}; one with "
+                f"isolated={kind == 'isolated'} cannot follow it (the TensorFlow and gRPC threads of "
                 "this process live in the first one's network). Use one kind per "
                 "process: pass the same isolated=... to every LocalCluster, or run "
                 "this one in a new process."
