@@ -6,9 +6,12 @@ The task is described by ``TF_CONFIG`` exactly as TensorFlow documents it::
                 "task": {"type": "ps", "index": 0}}' python -m tfdist_ext.server
 
 The process starts a ``tf.distribute.Server`` (gRPC) for that task, prints
-``READY <job>:<index> <address>`` on standard output and serves until it is
-killed. A malformed ``TF_CONFIG`` prints one line naming the field and exits
-with status 2. The same entry point is the console script
+one warning naming its unauthenticated port (see SECURITY.md; ``--no-warning``
+omits it), then ``READY <job>:<index> <address>`` on standard output, and
+serves until SIGTERM or Ctrl-C (SIGINT, one line, no traceback). TensorFlow's
+start-up notices (the absl pre-init warning, the oneDNN line) are dropped;
+every other line reaches standard error. A malformed ``TF_CONFIG`` prints one
+line naming the field and exits with status 2. The same entry point is the console script
 ``tfdist-ext server``; :class:`tfdist_ext.cluster.LocalCluster` starts every
 task of a local cluster through it.
 """
@@ -175,6 +178,8 @@ def _serve(args):
 def main(argv: list[str] | None = None) -> int:
     """Runs the task; Ctrl-C (SIGINT) stops it like SIGTERM, with one line."""
     args = build_parser().parse_args(argv)
+    # Also when started with SIGINT ignored (as `cmd &` does in a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return _serve(args)
     except KeyboardInterrupt:
