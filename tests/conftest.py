@@ -4,7 +4,8 @@ TensorFlow's logical device split is fixed once per process, so the suite
 splits the CPU into 4 logical devices before any test touches TensorFlow;
 tests that need k <= 4 devices take ``cpu_devices[:k]``. Tests that need a
 cluster or a fresh TensorFlow runtime run their body in a subprocess (see
-``run_script``), always with a deadline.
+``run_script``), always with a deadline. The run gets its own temporary
+directory (``TMPDIR``) and fails if it leaves ``tfdist-ext*`` entries there.
 """
 
 import os
