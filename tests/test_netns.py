@@ -347,6 +347,19 @@ def test_a_process_uses_one_kind_of_cluster_network(script):
     assert ("REFUSED LocalCluster: this process already ran a cluster with isolated=True; "
             "one with isolated=False cannot follow it") in proc.stdout
     assert "new process" in proc.stdout and "AGAIN" in proc.stdout
+    proc = script("""
+        from tfdist_ext.cluster import ClusterError, LocalCluster
+        with LocalCluster(num_workers=1, num_ps=0, isolated=False):
+            pass
+        print("DEFAULT", LocalCluster(num_workers=1, num_ps=0).isolated, flush=True)
+        try:
+            LocalCluster(num_workers=1, num_ps=0, bandwidth="10mbit")
+        except ClusterError as e:
+            print("REFUSED", e, flush=True)
+    """, timeout=180)
+    assert "DEFAULT False" in proc.stdout
+    assert ("REFUSED LocalCluster: this process already ran a cluster with isolated=False; "
+            "one with isolated=True cannot follow it") in proc.stdout
 
 
 # Two workers of a CompressedMultiWorkerMirroredStrategy (a MultiWorkerMirroredStrategy

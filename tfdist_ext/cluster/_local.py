@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
 from tfdist_ext.cluster import _netns
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
@@ -33,6 +34,9 @@ _RUNNING = weakref.WeakSet()
 #: The kind of cluster network this process uses ("isolated" or "loopback").
 _NETWORK = {"kind": None, "warned": False}
 _logger = logging.getLogger("tfdist_ext")
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class ClusterError(RuntimeError):
@@ -188,8 +192,11 @@ class LocalCluster:
     host's network, and the namespaces disappear with their processes, even
     after a ``kill -9``. Otherwise the tasks listen on 127.0.0.1 and the
     cluster logs one warning per process naming the open ports. A process
-    uses one kind of cluster network: an isolated cluster after a loopback
-    one (or the reverse) is refused.
+    uses one kind of cluster network, chosen by its first cluster (TensorFlow's
+    and gRPC's threads stay in the network they were created in): with
+    ``isolated=None`` later clusters follow it, and an explicit other choice is
+    refused. Use the cluster from the thread that started it (its network is
+    that thread's).
 
     ``bandwidth`` limits each task's link, both directions, with a ``tc``
     token bucket: a slow network on one machine, where the methods of this
@@ -232,6 +239,10 @@ class LocalCluster:
         collects their exit codes and :meth:`output` their output.
       verbose: 1 (default): one line on standard error when the start takes
         more than 2 seconds, and one when it is done; 0: silent.
+
+    Attributes:
+      isolated: whether the cluster runs in its own network namespaces.
+      bandwidth: the rate limit of each task's link in bits/s, or ``None``.
 
     Raises:
       ValueError: a bad argument, e.g. ``bandwidth="fast"``.
@@ -296,14 +307,14 @@ class LocalCluster:
         self.num_ps = num_ps
         self.start_timeout = float(start_timeout)
         self.bandwidth = None if bandwidth is None else _netns.parse_bandwidth(bandwidth)
-        self.isolated = self._choose_network(isolated, self.bandwidth)
+        self._hub = self._choose_network(isolated, self.bandwidth)
+        self.isolated = self._hub is not None
         self.verbose = verbose
         self._inter_op = inter_op_threads or num_workers + 1
         self._intra_op = intra_op_threads
         self._extra_env = dict(env or {})
         self._devices_per_worker = devices_per_worker
         self._command = list(command) if command else None
-        self._hub = _netns.hub() if self.isolated else None
         self._spec = self._make_spec(chief, num_workers, num_ps)
         self._tasks = {
             (job, i): _Task(job, i, address)
@@ -317,8 +328,9 @@ class LocalCluster:
             self, _shutdown, self._strategies, list(self._tasks.values()), False)
         atexit.register(self._finalizer)
 
-    @staticmethod
-    def _choose_network(isolated, bandwidth):
+    def _choose_network(self, isolated, bandwidth):
+        """The hub to isolate the cluster in, or ``None`` for 127.0.0.1."""
+        self._why_loopback = "isolated=False"
         if isolated is not None and not isinstance(isolated, bool):
             raise ValueError(f"LocalCluster: isolated must be None, True or False, got {isolated!r}")
         if isolated is False and bandwidth:
@@ -326,7 +338,15 @@ class LocalCluster:
                 "LocalCluster: bandwidth needs an isolated cluster (each task's link "
                 "is rate-limited in its own network namespace); drop isolated=False"
             )
+        if isolated is None and not bandwidth and _NETWORK["kind"] == "loopback":
+            return None   # the default follows this process's first cluster
         missing = _netns.missing_requirements()
+        hub = None
+        if not missing and isolated is not False:
+            try:
+                hub = _netns.hub()
+            except (_netns.NetworkError, OSError) as e:
+                missing = [f"a private network namespace, which this system refused: {e}"]
         if missing and (isolated or bandwidth):
             wanted = "bandwidth=..." if bandwidth else "isolated=True"
             raise ClusterError(
@@ -335,7 +355,9 @@ class LocalCluster:
                 "capabilities), or use LocalCluster(isolated=False) for a cluster on "
                 "127.0.0.1 without link limits (see SECURITY.md)."
             )
-        kind = "loopback" if missing or isolated is False else "isolated"
+        kind = "isolated" if hub else "loopback"
+        if missing:
+            self._why_loopback = "; ".join(missing)
         if _NETWORK["kind"] not in (None, kind):
             raise ClusterError(
                 f"LocalCluster: this process already ran a cluster with "
@@ -345,7 +367,7 @@ class LocalCluster:
                 "process: pass the same isolated=... to every LocalCluster, or run "
                 "this one in a new process."
             )
-        return kind == "isolated"
+        return hub
 
     def _make_spec(self, chief, num_workers, num_ps):
         if self.isolated:
@@ -507,14 +529,14 @@ class LocalCluster:
     # -- inspection ----------------------------------------------------------
 
     @property
-    def cluster_spec(self):
+    def cluster_spec(self) -> "tf.train.ClusterSpec":
         """The cluster as a ``tf.train.ClusterSpec``."""
         import tensorflow as tf
 
         return tf.train.ClusterSpec(self._spec)
 
     @property
-    def resolver(self):
+    def resolver(self) -> "tf.distribute.cluster_resolver.SimpleClusterResolver":
         """A ``SimpleClusterResolver`` for the chief (this process)."""
         import tensorflow as tf
 
@@ -618,7 +640,7 @@ class LocalCluster:
             "every interface without authentication and run any graph sent to them; "
             "anyone who can reach this machine can read and write its files. This "
             "process cannot isolate the cluster (%s). See SECURITY.md.",
-            ports, "; ".join(_netns.missing_requirements()) or "isolated=False",
+            ports, self._why_loopback,
         )
 
     def _describe(self):
