@@ -358,15 +358,7 @@ class LocalCluster:
         kind = "isolated" if hub else "loopback"
         if missing:
             self._why_loopback = "; ".join(missing)
-        if _NETWORK["kind"] not in (None, kind):
-            raise ClusterError(
-                f"LocalCluster: this process already ran a cluster with "
-                f"isolated={_NETWORK['kind'] == 'isolated'}; one with "
-                f"isolated={kind == 'isolated'} cannot follow it (the TensorFlow and gRPC threads of "
-                "this process live in the first one's network). Use one kind per "
-                "process: pass the same isolated=... to every LocalCluster, or run "
-                "this one in a new process."
-            )
+        _check_network_kind(kind)
         return hub
 
     def _make_spec(self, chief, num_workers, num_ps):
@@ -408,8 +400,10 @@ class LocalCluster:
         """
         if self._started:
             raise ClusterError("LocalCluster.start: the cluster is already running")
+        kind = "isolated" if self.isolated else "loopback"
+        _check_network_kind(kind)
         self._started = True
-        _NETWORK["kind"] = "isolated" if self.isolated else "loopback"
+        _NETWORK["kind"] = kind
         _RUNNING.add(self)
         try:
             if self.isolated:
@@ -460,6 +454,8 @@ class LocalCluster:
           >>> with cluster:  # doctest: +SKIP
           ...     codes = cluster.wait(timeout=300)
         """
+        if not self._started:
+            raise ClusterError("LocalCluster.wait: the cluster was not started")
         deadline = time.monotonic() + timeout
         workers = [t for t in self._tasks.values() if t.job == "worker"]
         for task in workers:
@@ -697,6 +693,18 @@ class LocalCluster:
         if announced:
             print(f"LocalCluster: ready in {time.monotonic() - start:.1f}s",
                   file=sys.stderr, flush=True)
+
+
+def _check_network_kind(kind):
+    if _NETWORK["kind"] not in (None, kind):
+        raise ClusterError(
+            f"LocalCluster: this process already ran a cluster with "
+            f"isolated={_NETWORK['kind'] == 'isolated'}; one with "
+            f"isolated={kind == 'isolated'} cannot follow it (the TensorFlow and gRPC "
+            "threads of this process live in the first one's network). Use one kind "
+            "per process: pass the same isolated=... to every LocalCluster, or run "
+            "this one in a new process."
+        )
 
 
 def _format_rate(bits_per_second):
