@@ -229,6 +229,7 @@ class LocalCluster:
         replica.
       bandwidth: rate limit of each task's link, e.g. ``"100mbit"``,
         ``"1gbit"``, ``"500kbit"`` or an int in bits/s; implies ``isolated``.
+        The rate counts whole Ethernet frames: TCP payload gets about 95% of it.
       isolated: ``None`` (default): isolate when the OS allows it, else run on
         127.0.0.1 with a warning; ``True``: isolate or raise at construction;
         ``False``: run on 127.0.0.1.
