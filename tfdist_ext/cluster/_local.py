@@ -101,6 +101,7 @@ class _Task:
         self.index = index
         self.address = address
         self.process = None
+        self.namespace = None  # fd of its network namespace, when isolated
         self._lines = collections.deque(maxlen=_LOG_LINES)
         self._ready = threading.Event()
 
@@ -152,6 +153,11 @@ class _Task:
 
     def ready(self):
         return self._ready.is_set()
+
+    def close_namespace(self):
+        if self.namespace is not None:
+            os.close(self.namespace)
+            self.namespace = None
 
     def stop(self, sig=signal.SIGTERM, timeout=10.0):
         if self.process is None:
@@ -608,7 +614,9 @@ class LocalCluster:
         if not self.isolated:
             return popen()
         try:
-            return self._hub.spawn(task.address.split(":")[0], self.bandwidth, popen)
+            process, task.namespace = self._hub.spawn(
+                task.address.split(":")[0], self.bandwidth, popen, task.namespace)
+            return process
         except (_netns.NetworkError, OSError) as e:
             raise ClusterError(
                 f"LocalCluster: could not link task {task.name} to the cluster's "
@@ -782,3 +790,4 @@ def _stop_all(tasks):
                 pass
     for task in tasks:
         task.stop(sig=signal.SIGKILL, timeout=10.0)
+        task.close_namespace()

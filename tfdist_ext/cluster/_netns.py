@@ -8,9 +8,11 @@ Layout, per process::
       |  veth pair per task (hub end: a port of br0; task end: eth0)
     task namespace  eth0 10.213.x.y/16  (one per task process, unnamed)
 
-Every namespace is unnamed: the hub lives as long as this process holds its
-file descriptor, a task's as long as its process. Nothing is left behind
-when the process dies, however it dies. A rate limit is a ``tc`` token
+Every namespace is unnamed and lives only while a process is in it or holds
+its file descriptor: the hub and the task namespaces are held by this process
+(a task's namespace, its "machine", outlives a killed task process until the
+cluster stops, so the dead task's address refuses connections). Nothing is
+left behind when this process dies, however it dies. A rate limit is a ``tc`` token
 bucket (``tbf``) on both ends of a task's veth, so each task's link is
 limited in both directions.
 """
@@ -200,51 +202,63 @@ class Hub:
             raise NetworkError("LocalCluster: this process used up 10.213.0.0/16")
         return f"{SUBNET}.{n >> 8}.{n & 255}"
 
-    def spawn(self, ip, bandwidth, popen):
-        """Starts ``popen()`` in a new namespace linked to the hub at ``ip``.
+    def spawn(self, ip, bandwidth, popen, namespace=None):
+        """Starts ``popen()`` in the network namespace of the task at ``ip``.
 
-        Returns the ``Popen``; if the link cannot be set up the process is
-        killed and ``NetworkError`` names the command and its error (unless
-        the process had already exited by itself).
+        ``namespace`` is the file descriptor an earlier call returned (a
+        restart: same namespace, same link); without it, a new namespace is
+        created and linked to the hub. Returns ``(process, namespace)``. The
+        namespace outlives the process until the caller closes it, so a dead
+        task's address refuses connections at once, as a crashed process on a
+        live machine does. If the link cannot be set up the process is killed
+        and ``NetworkError`` names the command and its error; a process that
+        exited by itself is returned with ``namespace=None`` (its status and
+        output tell why).
         """
+        if namespace is not None:
+            def in_namespace():
+                _setns(namespace)
+                return popen()
+
+            return _in_thread(in_namespace), namespace
 
         def in_new_namespace():
             _unshare_net()
-            return popen()
+            fd = _open_namespace("/proc/thread-self/ns/net")
+            try:
+                return popen(), fd
+            except BaseException:
+                os.close(fd)
+                raise
 
-        process = _in_thread(in_new_namespace)
+        process, namespace = _in_thread(in_new_namespace)
         try:
-            self._link(process.pid, ip, bandwidth)
+            self._link(process.pid, namespace, ip, bandwidth)
         except BaseException:
+            os.close(namespace)
             if process.poll() is not None:
-                return process  # it died by itself: its status and output tell why
+                return process, None
             process.kill()
             process.wait()
             raise
-        return process
+        return process, namespace
 
-    def _link(self, pid, ip, bandwidth):
+    def _link(self, pid, namespace, ip, bandwidth):
         with self._lock:
             hub_end = f"tfx{next(self._names)}"
-        octets = [int(o) for o in ip.split(".")]
-        mac = "02:7f:" + ":".join(f"{o:02x}" for o in octets)  # fixed: ARP survives a restart
         run_in(self.fd, "ip", [
-            f"link add {hub_end} type veth peer name eth0 address {mac} netns {pid}",
+            f"link add {hub_end} type veth peer name eth0 netns {pid}",
             f"link set {hub_end} master br0",
             f"link set {hub_end} up",
         ])
-        task_fd = _open_namespace(f"/proc/{pid}/ns/net")
-        try:
-            run_in(task_fd, "ip", [
-                "link set lo up",
-                f"addr add {ip}/16 dev eth0",
-                "link set eth0 up",
-            ])
-            if bandwidth:
-                run_in(self.fd, "tc", [_rate_limit(hub_end, bandwidth)])
-                run_in(task_fd, "tc", [_rate_limit("eth0", bandwidth)])
-        finally:
-            os.close(task_fd)
+        run_in(namespace, "ip", [
+            "link set lo up",
+            f"addr add {ip}/16 dev eth0",
+            "link set eth0 up",
+        ])
+        if bandwidth:
+            run_in(self.fd, "tc", [_rate_limit(hub_end, bandwidth)])
+            run_in(namespace, "tc", [_rate_limit("eth0", bandwidth)])
 
 
 _HUB = None
