@@ -4,12 +4,15 @@ TensorFlow's logical device split is fixed once per process, so the suite
 splits the CPU into 4 logical devices before any test touches TensorFlow;
 tests that need k <= 4 devices take ``cpu_devices[:k]``. Tests that need a
 cluster or a fresh TensorFlow runtime run their body in a subprocess (see
-``run_script``), always with a deadline.
+``run_script``), always with a deadline. The run gets its own temporary
+directory (``TMPDIR``) and fails if it leaves ``tfdist-ext*`` entries there.
 """
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -22,7 +25,40 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def pytest_configure(config):
     from tfdist_ext.cluster import logical_cpus
 
+    _use_private_temp_dir(config)
     logical_cpus(NUM_LOGICAL_CPUS)
+
+
+def _use_private_temp_dir(config):
+    """The run (and every process it starts) gets its own temporary directory,
+    so that what it leaves there is its own, not another run's on this machine."""
+    directory = tempfile.mkdtemp(prefix="tests-temp-")
+    os.environ["TMPDIR"] = directory
+    tempfile.tempdir = None   # gettempdir() reads TMPDIR again
+    config.stash[_TEMP_DIR] = directory
+
+
+_TEMP_DIR = pytest.StashKey[str]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fails the run if it left ``tfdist-ext*`` entries in the temporary directory."""
+    directory = session.config.stash.get(_TEMP_DIR, None)
+    if directory is None:
+        return
+    left = sorted(e for e in os.listdir(directory) if e.startswith("tfdist-ext"))
+    if not left:
+        shutil.rmtree(directory, ignore_errors=True)
+        return
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    message = (f"FAILED: the run left {len(left)} tfdist-ext entries in its temporary "
+               f"directory {directory}: {', '.join(left[:10])}")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_line(message, red=True)
+    else:
+        print(message, file=sys.stderr)
 
 
 @pytest.fixture(scope="session")

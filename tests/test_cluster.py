@@ -1,6 +1,8 @@
-"""LocalCluster: real task processes on 127.0.0.1, deadlines, faults, no orphans."""
+"""LocalCluster: real task processes, deadlines, faults, no orphans, no leftovers;
+the ``tfdist-ext`` command line and its server."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -40,7 +42,8 @@ def test_start_ping_kill_restart_and_teardown():
     with LocalCluster(num_workers=2, num_ps=1, start_timeout=120) as cluster:
         spec = cluster.cluster_spec.as_dict()
         assert set(spec) == {"chief", "worker", "ps"}
-        assert all(a.startswith("127.0.0.1:") for addrs in spec.values() for a in addrs)
+        host = "10.213." if cluster.isolated else "127.0.0.1:"
+        assert all(a.startswith(host) for addrs in spec.values() for a in addrs)
         assert len(set(a for addrs in spec.values() for a in addrs)) == 4
         statuses = cluster.ping()
         assert statuses == {
@@ -59,7 +62,10 @@ def test_start_ping_kill_restart_and_teardown():
         assert not cluster.alive("worker", 1)
         assert _gone(victim)
         start = time.monotonic()
-        with pytest.raises(ClusterTimeoutError, match="worker:1|127.0.0.1"):
+        # Refused at once (UNAVAILABLE), as a dead process on a live host is,
+        # not left to time out: an isolated task's namespace outlives its process.
+        with pytest.raises(ClusterTimeoutError,
+                           match=f"{cluster.address('worker', 1)}.*UNAVAILABLE"):
             ping(cluster.address("worker", 1), timeout=2.0)
         assert time.monotonic() - start < 10
         # The others are untouched.
@@ -118,13 +124,8 @@ def test_unreachable_task_fails_within_deadline():
 
 @pytest.mark.timeout(60)
 def test_task_that_cannot_start_reports_its_output(monkeypatch):
-    from tfdist_ext.cluster import _local
-    real_popen = _local.subprocess.Popen
-
-    def broken_popen(cmd, **kw):
-        return real_popen([sys.executable, "-c", "import sys; sys.exit('injected failure')"], **kw)
-
-    monkeypatch.setattr(_local.subprocess, "Popen", broken_popen)
+    monkeypatch.setattr(LocalCluster, "_argv", lambda self, job: [
+        sys.executable, "-c", "import sys; sys.exit('injected failure')"])
     cluster = LocalCluster(num_workers=1, num_ps=0)
     with pytest.raises(ClusterError, match="worker:0 exited with status 1(.|\\n)*injected failure"):
         cluster.start()
@@ -134,13 +135,8 @@ def test_task_that_cannot_start_reports_its_output(monkeypatch):
 @pytest.mark.timeout(60)
 def test_start_deadline_is_enforced(monkeypatch):
     # A task that never becomes ready must fail the start within start_timeout.
-    from tfdist_ext.cluster import _local
-    real_popen = _local.subprocess.Popen
-
-    def silent_popen(cmd, **kw):
-        return real_popen([sys.executable, "-c", "import time; time.sleep(60)"], **kw)
-
-    monkeypatch.setattr(_local.subprocess, "Popen", silent_popen)
+    monkeypatch.setattr(LocalCluster, "_argv", lambda self, job: [
+        sys.executable, "-c", "import time; time.sleep(60)"])
     cluster = LocalCluster(num_workers=1, num_ps=0, start_timeout=2)
     start = time.monotonic()
     with pytest.raises(ClusterTimeoutError, match="worker:0 did not answer within 2s"):
@@ -193,3 +189,73 @@ def test_talk_to_every_task_through_tensorflow(script):
     assert "worker 1 /job:worker/replica:0/task:1/device:CPU:0 [2.0, 4.0]" in out
     assert "ps 0 /job:ps/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in out
     assert "DONE" in out
+
+
+_START_UP_NOISE = ("absl::InitializeLog", "oneDNN custom operations")
+
+
+@pytest.mark.timeout(120)
+def test_no_temp_files_and_quiet_task_output(monkeypatch, tmp_path):
+    # Task output stays in memory: a cluster leaves nothing in the temp dir,
+    # whether it stops normally or because its body raised.
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        output = cluster.output("worker", 0)
+    assert "READY worker:0 " in output
+    assert not any(noise in output for noise in _START_UP_NOISE), output
+    with pytest.raises(RuntimeError, match="boom"):
+        with LocalCluster(num_workers=1, num_ps=0):
+            raise RuntimeError("boom")
+    assert not [e for e in os.listdir(tmp_path) if e.startswith("tfdist-ext")]
+
+
+def _cli(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "tfdist_ext.cli", *args],
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.mark.timeout(120)
+def test_help_explains_each_command():
+    top = _cli("--help")
+    assert top.returncode == 0
+    for command in ("server", "demo"):
+        line = next(l for l in top.stdout.splitlines() if l.strip().startswith(command))
+        assert len(line.split()) > 4, line   # the command and what it does
+    assert "SECURITY.md" in top.stdout
+    server = _cli("server", "--help")
+    assert server.returncode == 0
+    for text in ("TF_CONFIG", '"cluster"', '"task"', "--intra-op-threads",
+                 "--inter-op-threads", "--cpu-devices", "--strategy", "SIGINT"):
+        assert text in server.stdout, text
+    assert _cli().returncode == 2 and "commands:" in _cli().stderr
+
+
+@pytest.mark.timeout(120)
+def test_server_is_quiet_warns_and_stops_on_ctrl_c():
+    port = free_port()
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=(
+        '{"cluster": {"worker": ["127.0.0.1:%d"]}, "task": {"type": "worker", "index": 0}}'
+        % port))
+    server = subprocess.Popen([sys.executable, "-m", "tfdist_ext.cli", "server"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              stdin=subprocess.DEVNULL)
+    try:
+        line = server.stdout.readline()
+        assert line.startswith(f"READY worker:0 127.0.0.1:{port}"), line
+        start = time.monotonic()
+        server.send_signal(signal.SIGINT)
+        _, stderr = server.communicate(timeout=15)
+        assert time.monotonic() - start < 10
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    assert server.returncode == -signal.SIGINT
+    assert "Traceback" not in stderr, stderr
+    assert "interrupted" in stderr.splitlines()[-1]
+    warning = [l for l in stderr.splitlines() if "SECURITY.md" in l]
+    assert len(warning) == 1 and f"port {port}" in warning[0], stderr
+    assert not any(noise in stderr for noise in _START_UP_NOISE), stderr

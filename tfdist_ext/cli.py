@@ -13,13 +13,26 @@ Example::
 
 import sys
 
-USAGE = "usage: tfdist-ext {server,demo} [options]   (tfdist-ext COMMAND --help)"
+USAGE = """\
+usage: tfdist-ext COMMAND [options]
+
+Classic distributed deep learning for Keras (tf.distribute strategies).
+
+commands:
+  server   run one TensorFlow cluster task (a gRPC tf.distribute.Server) as the
+           TF_CONFIG environment variable describes; unauthenticated: run it on
+           a trusted private network only (see SECURITY.md)
+  demo     train an MLP on the bundled digits with DownpourStrategy on a local
+           cluster (2 workers, 1 ps) and compare it with single-process Keras
+
+'tfdist-ext COMMAND --help' explains a command's options."""
 
 
-def main(argv=None):
+def main(argv: list[str] | None = None) -> int:
+    """Runs ``tfdist-ext COMMAND``; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE)
+        print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "server":
@@ -30,7 +43,7 @@ def main(argv=None):
         from tfdist_ext import _demo
 
         return _demo.main(rest)
-    print(f"tfdist-ext: error: unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    print(f"tfdist-ext: error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -6,14 +6,18 @@ The task is described by ``TF_CONFIG`` exactly as TensorFlow documents it::
                 "task": {"type": "ps", "index": 0}}' python -m tfdist_ext.server
 
 The process starts a ``tf.distribute.Server`` (gRPC) for that task, prints
-``READY <job>:<index> <address>`` on standard output and serves until it is
-killed. A malformed ``TF_CONFIG`` prints one line naming the field and exits
-with status 2. The same entry point is the console script
+one warning naming its unauthenticated port (see SECURITY.md; ``--no-warning``
+omits it), then ``READY <job>:<index> <address>`` on standard output, and
+serves until SIGTERM or Ctrl-C (SIGINT, one line, no traceback). TensorFlow's
+start-up notices (the absl pre-init warning, the oneDNN line) are dropped;
+every other line reaches standard error. A malformed ``TF_CONFIG`` prints one
+line naming the field and exits with status 2. The same entry point is the console script
 ``tfdist-ext server``; :class:`tfdist_ext.cluster.LocalCluster` starts every
 task of a local cluster through it.
 """
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -40,10 +44,64 @@ def _watch_parent(parent_pid, interval=0.5):
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-def build_parser():
+_START_UP_NOISE = (
+    b"WARNING: All log messages before absl::InitializeLog() is called",
+    b"oneDNN custom operations are on",
+)
+_SECURITY_WARNING = (
+    "tfdist-ext server: WARNING: port {port} accepts unauthenticated gRPC from anyone "
+    "who can reach it on any interface, and runs any graph sent to it (file reads, "
+    "writes and code execution on this host); run it only on a trusted private "
+    "network. See SECURITY.md."
+)
+_EPILOG = """\
+TF_CONFIG (required) is the JSON TensorFlow documents for multi-worker training:
+  {"cluster": {"worker": ["host1:2222", "host2:2222"], "ps": ["host3:2222"]},
+   "task": {"type": "worker", "index": 0}}
+The task listens on the port of its own address, on every interface, and
+prints "READY <job>:<index> <address>" once it serves. It runs until SIGTERM or
+Ctrl-C (SIGINT). Its gRPC port is unauthenticated: see SECURITY.md.
+"""
+
+
+@contextlib.contextmanager
+def _quiet_start_up():
+    """Drops TensorFlow's known start-up lines (the absl pre-init warning and
+    the oneDNN notice) from standard error; every other line is passed on."""
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    saved = os.dup(2)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    chunks = []
+
+    def drain():
+        while chunk := os.read(read_end, 65536):
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, name="start-up-stderr", daemon=True)
+    reader.start()
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        reader.join(timeout=5.0)
+        os.close(read_end)
+        kept = [line for line in b"".join(chunks).splitlines(keepends=True)
+                if not any(noise in line for noise in _START_UP_NOISE)]
+        if kept:
+            os.write(2, b"".join(kept))
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tfdist-ext server",
-        description="Run the TensorFlow task that TF_CONFIG describes.",
+        description="Run the one TensorFlow cluster task (a tf.distribute.Server) "
+        "that the TF_CONFIG environment variable describes.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--intra-op-threads", type=int, default=0,
@@ -61,11 +119,14 @@ def build_parser():
         "--strategy", choices=("any", "ps"), default="any",
         help="'ps' requires the cluster to have 'ps' and 'worker' jobs",
     )
+    parser.add_argument(
+        "--no-warning", action="store_true",
+        help="do not print the security warning (LocalCluster gives its own)",
+    )
     return parser
 
 
-def main(argv=None):
-    args = build_parser().parse_args(argv)
+def _serve(args):
     require = ("ps", "worker") if args.strategy == "ps" else ()
     try:
         cluster, task_type, task_index = parse_tf_config(require_jobs=require)
@@ -88,26 +149,46 @@ def main(argv=None):
         _watch_parent(int(parent))
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    import tensorflow as tf
+    with _quiet_start_up():
+        import tensorflow as tf
 
-    inter_op = args.inter_op_threads or len(cluster.get("worker", ())) + 1
-    config = tf.compat.v1.ConfigProto(
-        inter_op_parallelism_threads=inter_op,
-        intra_op_parallelism_threads=args.intra_op_threads,
-        device_count={"CPU": args.cpu_devices},
-    )
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec(cluster),
-        job_name=task_type,
-        task_index=task_index,
-        protocol="grpc",
-        config=config,
-        start=True,
-    )
+        inter_op = args.inter_op_threads or len(cluster.get("worker", ())) + 1
+        config = tf.compat.v1.ConfigProto(
+            inter_op_parallelism_threads=inter_op,
+            intra_op_parallelism_threads=args.intra_op_threads,
+            device_count={"CPU": args.cpu_devices},
+        )
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(cluster),
+            job_name=task_type,
+            task_index=task_index,
+            protocol="grpc",
+            config=config,
+            start=True,
+        )
     address = cluster[task_type][task_index]
+    if not args.no_warning:
+        print(_SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]),
+              file=sys.stderr, flush=True)
     print(f"READY {task_type}:{task_index} {address}", flush=True)
-    server.join()
-    return 0
+    while server:  # serves until a signal ends the process
+        time.sleep(3600)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the task; Ctrl-C (SIGINT) stops it like SIGTERM, with one line."""
+    args = build_parser().parse_args(argv)
+    # Also when started with SIGINT ignored (as `cmd &` does in a script).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return _serve(args)
+    except KeyboardInterrupt:
+        print("tfdist-ext server: interrupted, stopping", file=sys.stderr, flush=True)
+        # A gRPC server has no clean stop; end the way SIGTERM does (a full
+        # interpreter shutdown with the server running takes seconds).
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130
 
 
 if __name__ == "__main__":

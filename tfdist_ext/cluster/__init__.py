@@ -1,8 +1,12 @@
 """Cluster plumbing: a real local TensorFlow cluster, ``TF_CONFIG`` and devices.
 
+``LocalCluster`` runs each task in its own OS process; as root it also gives
+each task its own network namespace (unreachable from the host's network) and,
+with ``bandwidth=``, a rate-limited link. See SECURITY.md for the trust model.
+
 Example:
   >>> from tfdist_ext.cluster import LocalCluster
-  >>> with LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
+  >>> with LocalCluster(num_workers=2, num_ps=1, bandwidth="100mbit") as cluster:  # doctest: +SKIP
   ...     cluster.ping()
   ...     strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
 """

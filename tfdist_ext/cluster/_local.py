@@ -1,9 +1,10 @@
-"""A real TensorFlow cluster of OS processes on 127.0.0.1 (internal module).
+"""A real TensorFlow cluster of OS processes on this machine (internal module).
 
 Public names are re-exported by :mod:`tfdist_ext.cluster`.
 """
 
 import atexit
+import collections
 import contextlib
 import json
 import logging
@@ -13,11 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import weakref
+from typing import TYPE_CHECKING
 
+from tfdist_ext.cluster import _netns
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 
 HOST = "127.0.0.1"
@@ -25,8 +27,16 @@ _PACKAGE_PARENT = os.path.dirname(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 )
 _DEVICE_RE = re.compile(rb"/job:[a-z_]+/replica:\d+/task:\d+/device:[A-Z_]+:\d+")
+_LOG_LINES = 2000
+_PROGRESS_AFTER = 2.0
 #: Running LocalClusters of this process, for strategies to find theirs.
 _RUNNING = weakref.WeakSet()
+#: The kind of cluster network this process uses ("isolated" or "loopback").
+_NETWORK = {"kind": None, "warned": False}
+_logger = logging.getLogger("tfdist_ext")
+
+if TYPE_CHECKING:
+    import tensorflow as tf
 
 
 class ClusterError(RuntimeError):
@@ -83,52 +93,71 @@ def ping(address, timeout=5.0):
 
 
 class _Task:
-    """One OS process running ``python -m tfdist_ext.server``."""
+    """One OS process of the cluster (``tfdist-ext server`` or a user's command);
+    its output is kept in memory, never in a file."""
 
-    def __init__(self, job, index, address, log_dir):
+    def __init__(self, job, index, address):
         self.job = job
         self.index = index
         self.address = address
-        self.log_path = os.path.join(log_dir, f"{job}-{index}.log")
         self.process = None
+        self.namespace = None  # fd of its network namespace, when isolated
+        self._lines = collections.deque(maxlen=_LOG_LINES)
+        self._ready = threading.Event()
 
     @property
     def name(self):
         return f"{self.job}:{self.index}"
 
-    def start(self, tf_config, args, env):
+    def start(self, argv, tf_config, env, spawn):
         env = dict(env)
         env["TF_CONFIG"] = json.dumps(
             {"cluster": tf_config, "task": {"type": self.job, "index": self.index}}
         )
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "tfdist_ext.server", *args],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            )
+        self._lines.clear()
+        self._ready.clear()
+        self.process = spawn(self, lambda: subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        ))
+        self._reader = threading.Thread(
+            target=self._read, args=(self.process.stdout,),
+            name=f"tfdist-ext-log-{self.job}-{self.index}", daemon=True,
+        )
+        self._reader.start()
+
+    def drain(self, timeout=5.0):
+        """Waits until the output of the exited process has been read."""
+        self._reader.join(timeout)
+
+    def _read(self, stream):
+        marker = f"READY {self.name} ".encode()
+        with stream:
+            for line in stream:
+                if line.startswith(marker):
+                    self._ready.set()
+                self._lines.append(line.decode(errors="replace").rstrip("\n"))
 
     def alive(self):
         return self.process is not None and self.process.poll() is None
 
+    def output(self):
+        return "\n".join(self._lines)
+
     def log_tail(self, lines=15):
-        try:
-            with open(self.log_path, "rb") as f:
-                text = f.read().decode(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return "\n".join(list(self._lines)[-lines:])
 
     def ready(self):
-        marker = f"READY {self.name} ".encode()
-        try:
-            with open(self.log_path, "rb") as f:
-                return marker in f.read()
-        except OSError:
-            return False
+        return self._ready.is_set()
+
+    def close_namespace(self):
+        if self.namespace is not None:
+            os.close(self.namespace)
+            self.namespace = None
 
     def stop(self, sig=signal.SIGTERM, timeout=10.0):
         if self.process is None:
@@ -152,10 +181,32 @@ class LocalCluster:
     """A real TensorFlow cluster on this machine, one OS process per task.
 
     Each ``worker`` and ``ps`` task runs ``tf.distribute.Server`` (gRPC) in its
-    own process, listening on a free port of 127.0.0.1. The ``chief`` task is
-    the calling process: its address is reserved in the cluster spec and is
-    taken up by whatever connects to the cluster from here (for example a
-    ``DownpourStrategy`` built on :attr:`resolver`).
+    own process. The ``chief`` task is the calling process: its address is
+    reserved in the cluster spec and is taken up by whatever connects to the
+    cluster from here (for example a ``DownpourStrategy`` built on
+    :attr:`resolver`).
+
+    **Network.** TensorFlow's servers accept anyone who can connect and run
+    any graph they are sent (see SECURITY.md). Where the OS allows it (root or
+    the ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN`` capabilities, and the ``ip``
+    and ``tc`` commands), the cluster is *isolated*: each task runs in its own
+    new network namespace, linked by a virtual Ethernet pair to a bridge in a
+    private "hub" namespace of this process, with addresses ``10.213.x.y``;
+    the thread that calls :meth:`start` (and every thread it creates) enters
+    the hub until :meth:`stop`, so the chief's own server does not listen in
+    the host's namespace either. No port of the cluster is reachable from the
+    host's network, and the namespaces disappear with their processes, even
+    after a ``kill -9``. Otherwise the tasks listen on 127.0.0.1 and the
+    cluster logs one warning per process naming the open ports. A process
+    uses one kind of cluster network, chosen by its first cluster (TensorFlow's
+    and gRPC's threads stay in the network they were created in): with
+    ``isolated=None`` later clusters follow it, and an explicit other choice is
+    refused. Use the cluster from the thread that started it (its network is
+    that thread's).
+
+    ``bandwidth`` limits each task's link, both directions, with a ``tc``
+    token bucket: a slow network on one machine, where the methods of this
+    package pay off.
 
     Startup waits, with a deadline, until every task has answered a gRPC
     status request. Every process is stopped on exit, also when the body
@@ -182,10 +233,33 @@ class LocalCluster:
       devices_per_worker: CPU devices each ``worker`` task exposes
         (``/device:CPU:0`` ... ``CPU:k-1``), for model parallelism inside a
         replica.
+      bandwidth: rate limit of each task's link, e.g. ``"100mbit"``,
+        ``"1gbit"``, ``"500kbit"`` or an int in bits/s; implies ``isolated``.
+        The rate counts whole Ethernet frames: TCP payload gets about 95% of it.
+      isolated: ``None`` (default): isolate when the OS allows it, else run on
+        127.0.0.1 with a warning; ``True``: isolate or raise at construction;
+        ``False``: run on 127.0.0.1.
+      command: run this command (a list, e.g. ``[sys.executable, "train.py"]``)
+        as each ``worker`` task instead of a TensorFlow server, with its
+        ``TF_CONFIG`` set: an SPMD program such as a ``MultiWorkerMirroredStrategy``
+        script. :meth:`start` does not wait for such tasks; :meth:`wait`
+        collects their exit codes and :meth:`output` their output.
+      verbose: 1 (default): one line on standard error when the start takes
+        more than 2 seconds, and one when it is done; 0: silent.
+
+    Attributes:
+      isolated: whether the cluster runs in its own network namespaces.
+      bandwidth: the rate limit of each task's link in bits/s, or ``None``.
+
+    Raises:
+      ValueError: a bad argument, e.g. ``bandwidth="fast"``.
+      ClusterError: ``isolated=True`` or ``bandwidth`` without what isolation
+        needs (the message says what is missing), or a process that already
+        used the other kind of cluster network.
 
     Example:
       >>> from tfdist_ext.cluster import LocalCluster
-      >>> with LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
+      >>> with LocalCluster(num_workers=2, num_ps=1, bandwidth="100mbit") as cluster:  # doctest: +SKIP
       ...     print(cluster.cluster_spec.as_dict())
       ...     cluster.kill("worker", 1)
       ...     cluster.restart("worker", 1)
@@ -193,15 +267,19 @@ class LocalCluster:
 
     def __init__(
         self,
-        num_workers=2,
-        num_ps=1,
+        num_workers: int = 2,
+        num_ps: int = 1,
         *,
-        chief=True,
-        intra_op_threads=1,
-        inter_op_threads=None,
-        start_timeout=120.0,
-        env=None,
-        devices_per_worker=1,
+        chief: bool = True,
+        intra_op_threads: int = 1,
+        inter_op_threads: int | None = None,
+        start_timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        devices_per_worker: int = 1,
+        bandwidth: str | int | None = None,
+        isolated: bool | None = None,
+        command: list[str] | None = None,
+        verbose: int = 1,
     ):
         for name, value, low in (
             ("num_workers", num_workers, 1),
@@ -224,31 +302,86 @@ class LocalCluster:
             raise ValueError(
                 f"LocalCluster: start_timeout must be > 0 seconds, got {start_timeout!r}"
             )
+        if command is not None and (
+            isinstance(command, str) or not command
+            or not all(isinstance(a, str) for a in command)
+        ):
+            raise ValueError(
+                "LocalCluster: command must be a non-empty list of strings, e.g. "
+                f"[sys.executable, 'train.py'], got {command!r}"
+            )
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.start_timeout = float(start_timeout)
+        self.bandwidth = None if bandwidth is None else _netns.parse_bandwidth(bandwidth)
+        self._hub = self._choose_network(isolated, self.bandwidth)
+        self.isolated = self._hub is not None
+        self.verbose = verbose
         self._inter_op = inter_op_threads or num_workers + 1
         self._intra_op = intra_op_threads
         self._extra_env = dict(env or {})
         self._devices_per_worker = devices_per_worker
-        self._log_dir = tempfile.mkdtemp(prefix="tfdist-ext-cluster-")
-        spec = {}
-        if chief:
-            spec["chief"] = [f"{HOST}:{free_port()}"]
-        spec["worker"] = [f"{HOST}:{free_port()}" for _ in range(num_workers)]
-        if num_ps:
-            spec["ps"] = [f"{HOST}:{free_port()}" for _ in range(num_ps)]
-        self._spec = spec
+        self._command = list(command) if command else None
+        self._spec = self._make_spec(chief, num_workers, num_ps)
         self._tasks = {
-            (job, i): _Task(job, i, address, self._log_dir)
+            (job, i): _Task(job, i, address)
             for job in ("worker", "ps")
-            for i, address in enumerate(spec.get(job, ()))
+            for i, address in enumerate(self._spec.get(job, ()))
         }
         self._started = False
+        self._in_hub = False
         self._strategies = weakref.WeakSet()
         self._finalizer = weakref.finalize(
             self, _shutdown, self._strategies, list(self._tasks.values()), False)
         atexit.register(self._finalizer)
+
+    def _choose_network(self, isolated, bandwidth):
+        """The hub to isolate the cluster in, or ``None`` for 127.0.0.1."""
+        self._why_loopback = "isolated=False"
+        if isolated is not None and not isinstance(isolated, bool):
+            raise ValueError(f"LocalCluster: isolated must be None, True or False, got {isolated!r}")
+        if isolated is False and bandwidth:
+            raise ValueError(
+                "LocalCluster: bandwidth needs an isolated cluster (each task's link "
+                "is rate-limited in its own network namespace); drop isolated=False"
+            )
+        if isolated is None and not bandwidth and _NETWORK["kind"] == "loopback":
+            return None   # the default follows this process's first cluster
+        missing = _netns.missing_requirements()
+        hub = None
+        if not missing and isolated is not False:
+            try:
+                hub = _netns.hub()
+            except (_netns.NetworkError, OSError) as e:
+                missing = [f"a private network namespace, which this system refused: {e}"]
+        if missing and (isolated or bandwidth):
+            wanted = "bandwidth=..." if bandwidth else "isolated=True"
+            raise ClusterError(
+                f"LocalCluster({wanted}) runs each task in its own network namespace, "
+                f"which needs {', '.join(missing)}. Run as root (or grant the "
+                "capabilities), or use LocalCluster(isolated=False) for a cluster on "
+                "127.0.0.1 without link limits (see SECURITY.md)."
+            )
+        kind = "isolated" if hub else "loopback"
+        if missing:
+            self._why_loopback = "; ".join(missing)
+        _check_network_kind(kind)
+        return hub
+
+    def _make_spec(self, chief, num_workers, num_ps):
+        if self.isolated:
+            chief_address = f"{_netns.CHIEF_IP}:{self._hub.free_port()}"
+            task_address = lambda: f"{self._hub.new_address()}:{_netns.TASK_PORT}"
+        else:
+            chief_address = f"{HOST}:{free_port()}"
+            task_address = lambda: f"{HOST}:{free_port()}"
+        spec = {}
+        if chief:
+            spec["chief"] = [chief_address]
+        spec["worker"] = [task_address() for _ in range(num_workers)]
+        if num_ps:
+            spec["ps"] = [task_address() for _ in range(num_ps)]
+        return spec
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -263,25 +396,39 @@ class LocalCluster:
         try:
             self.stop()
         except Exception as e:  # noqa: BLE001 - do not hide the error that ended the block
-            logging.getLogger("tfdist_ext").warning("LocalCluster: while stopping: %s", e)
+            _logger.warning("LocalCluster: while stopping: %s", e)
         return False
 
-    def start(self):
-        """Starts every task and waits until all answer (``start_timeout``)."""
+    def start(self) -> "LocalCluster":
+        """Starts every task and waits until all answer (``start_timeout``).
+
+        With an isolated cluster, the calling thread enters the cluster's
+        network until :meth:`stop`.
+        """
         if self._started:
             raise ClusterError("LocalCluster.start: the cluster is already running")
+        kind = "isolated" if self.isolated else "loopback"
+        _check_network_kind(kind)
         self._started = True
+        _NETWORK["kind"] = kind
         _RUNNING.add(self)
         try:
+            if self.isolated:
+                _enter_hub(self._hub)
+                self._in_hub = True
+            else:
+                self._warn_open_ports()
             for task in self._tasks.values():
-                task.start(self._spec, self._server_args(task.job), self._task_env())
-            self._wait_ready(list(self._tasks.values()), self.start_timeout)
+                self._start_task(task)
+            servers = [t for t in self._tasks.values()
+                       if not (self._command and t.job == "worker")]
+            self._wait_ready(servers, self.start_timeout)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def stop(self):
+    def stop(self) -> None:
         """Closes the strategies connected to the cluster, then stops every task
         process (SIGTERM, then SIGKILL); idempotent.
 
@@ -290,23 +437,60 @@ class LocalCluster:
             ``ps`` task had died); the tasks are stopped all the same.
         """
         _RUNNING.discard(self)
-        _shutdown(self._strategies, list(self._tasks.values()))
+        try:
+            _shutdown(self._strategies, list(self._tasks.values()))
+        finally:
+            if self._in_hub:
+                self._in_hub = False
+                _leave_hub(self._hub)
 
-    def kill(self, job, index, sig=signal.SIGKILL, timeout=10.0):
+    def wait(self, timeout: float) -> dict[str, int]:
+        """Waits until every ``worker`` task has exited; returns their exit codes.
+
+        For a cluster started with ``command``: the SPMD program's exit status
+        per worker, e.g. ``{"worker:0": 0, "worker:1": 0}``; :meth:`output`
+        gives what each printed.
+
+        Raises:
+          ClusterTimeoutError: a worker still runs after ``timeout`` seconds
+            (the cluster keeps running; ``stop()`` ends it).
+
+        Example:
+          >>> cluster = LocalCluster(num_workers=2, num_ps=0, chief=False,  # doctest: +SKIP
+          ...                        command=[sys.executable, "train.py"])
+          >>> with cluster:  # doctest: +SKIP
+          ...     codes = cluster.wait(timeout=300)
+        """
+        if not self._started:
+            raise ClusterError("LocalCluster.wait: the cluster was not started")
+        deadline = time.monotonic() + timeout
+        workers = [t for t in self._tasks.values() if t.job == "worker"]
+        for task in workers:
+            try:
+                task.process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise ClusterTimeoutError(
+                    f"LocalCluster.wait: task {task.name} still runs after {timeout:.0f}s; "
+                    f"its output ends:\n{task.log_tail()}"
+                ) from None
+            task.drain()
+        return {t.name: t.process.returncode for t in workers}
+
+    def kill(self, job: str, index: int, sig: int = signal.SIGKILL, timeout: float = 10.0) -> None:
         """Kills one task's process (SIGKILL by default) and waits for it to die."""
         task = self._task(job, index)
         task.stop(sig=sig, timeout=timeout)
 
-    def restart(self, job, index, timeout=None):
+    def restart(self, job: str, index: int, timeout: float | None = None) -> None:
         """Starts a killed task again on the same address and waits until it answers."""
         task = self._task(job, index)
         if task.alive():
             task.stop()
-        task.start(self._spec, self._server_args(job), self._task_env())
+        self._start_task(task)
         self._wait_ready([task], timeout or self.start_timeout)
 
     @contextlib.contextmanager
-    def throttle(self, job, index, slowdown, period=0.02):
+    def throttle(self, job: str, index: int, slowdown: float, period: float = 0.02):
         """Slows one task's process ``slowdown`` times, for the ``with`` block.
 
         A real, OS-level straggler: the process is stopped (SIGSTOP) for
@@ -348,14 +532,14 @@ class LocalCluster:
     # -- inspection ----------------------------------------------------------
 
     @property
-    def cluster_spec(self):
+    def cluster_spec(self) -> "tf.train.ClusterSpec":
         """The cluster as a ``tf.train.ClusterSpec``."""
         import tensorflow as tf
 
         return tf.train.ClusterSpec(self._spec)
 
     @property
-    def resolver(self):
+    def resolver(self) -> "tf.distribute.cluster_resolver.SimpleClusterResolver":
         """A ``SimpleClusterResolver`` for the chief (this process)."""
         import tensorflow as tf
 
@@ -368,30 +552,30 @@ class LocalCluster:
             rpc_layer="grpc",
         )
 
-    def tf_config(self, job, index):
+    def tf_config(self, job: str, index: int) -> str:
         """The ``TF_CONFIG`` JSON text of one task of this cluster."""
         self._check_task(job, index)
         return json.dumps({"cluster": self._spec, "task": {"type": job, "index": index}})
 
-    def address(self, job, index):
+    def address(self, job: str, index: int) -> str:
         """``host:port`` of one task."""
         self._check_task(job, index)
         return self._spec[job][index]
 
-    def pid(self, job, index):
+    def pid(self, job: str, index: int) -> int | None:
         """OS process id of one task (``None`` before start)."""
         process = self._task(job, index).process
         return process.pid if process else None
 
-    def pids(self):
+    def pids(self) -> list[int]:
         """Process ids of every task process started so far."""
         return [t.process.pid for t in self._tasks.values() if t.process]
 
-    def alive(self, job, index):
+    def alive(self, job: str, index: int) -> bool:
         """Whether the process of one task is running."""
         return self._task(job, index).alive()
 
-    def ping(self, timeout=5.0):
+    def ping(self, timeout: float = 5.0) -> dict[str, list[str]]:
         """Asks every task for its status; returns ``{"worker:0": [devices], ...}``.
 
         Raises ``ClusterTimeoutError`` naming the first task that does not
@@ -399,9 +583,13 @@ class LocalCluster:
         """
         return {t.name: ping(t.address, timeout) for t in self._tasks.values()}
 
-    def log(self, job, index):
+    def log(self, job: str, index: int) -> str:
         """The last lines a task printed (for diagnosing failures)."""
         return self._task(job, index).log_tail()
+
+    def output(self, job: str, index: int) -> str:
+        """Everything a task printed (its last 2000 lines), kept in memory."""
+        return self._task(job, index).output()
 
     # -- internals -----------------------------------------------------------
 
@@ -419,13 +607,53 @@ class LocalCluster:
             raise ValueError("LocalCluster: the chief is the calling process")
         return self._tasks[(job, index)]
 
-    def _server_args(self, job):
+    def _start_task(self, task):
+        task.start(self._argv(task.job), self._spec, self._task_env(), self._spawn)
+
+    def _spawn(self, task, popen):
+        if not self.isolated:
+            return popen()
+        try:
+            process, task.namespace = self._hub.spawn(
+                task.address.split(":")[0], self.bandwidth, popen, task.namespace)
+            return process
+        except (_netns.NetworkError, OSError) as e:
+            raise ClusterError(
+                f"LocalCluster: could not link task {task.name} to the cluster's "
+                f"network: {e}"
+            ) from None
+
+    def _argv(self, job):
+        if self._command and job == "worker":
+            return self._command
         devices = self._devices_per_worker if job == "worker" else 1
         return [
+            sys.executable, "-m", "tfdist_ext.server",
             "--intra-op-threads", str(self._intra_op),
             "--inter-op-threads", str(self._inter_op),
             "--cpu-devices", str(devices),
+            "--no-warning",
         ]
+
+    def _warn_open_ports(self):
+        if _NETWORK["warned"]:
+            return
+        _NETWORK["warned"] = True
+        ports = ", ".join(a.rsplit(":", 1)[1] for addrs in self._spec.values() for a in addrs)
+        _logger.warning(
+            "LocalCluster: this cluster's TensorFlow servers listen on ports %s of "
+            "every interface without authentication and run any graph sent to them; "
+            "anyone who can reach this machine can read and write its files. This "
+            "process cannot isolate the cluster (%s). See SECURITY.md.",
+            ports, self._why_loopback,
+        )
+
+    def _describe(self):
+        tasks = " + ".join(f"{len(self._spec[j])} {j}" for j in ("worker", "ps") if j in self._spec)
+        network = "isolated network" if self.isolated else "127.0.0.1"
+        if self.bandwidth:
+            network += f", {_format_rate(self.bandwidth)} links"
+        return f"{tasks} ({network})"
 
     def _task_env(self):
         env = dict(os.environ)
@@ -437,11 +665,14 @@ class LocalCluster:
         return env
 
     def _wait_ready(self, tasks, timeout):
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         pending = list(tasks)
+        announced = False
         while pending:
             for task in list(pending):
                 if not task.alive():
+                    task.drain()
                     raise ClusterError(
                         f"LocalCluster: task {task.name} exited with status "
                         f"{task.process.returncode} before it was ready; its "
@@ -460,8 +691,56 @@ class LocalCluster:
                     f"LocalCluster: task(s) {names} did not answer within "
                     f"{timeout:.0f}s (start_timeout)"
                 )
+            if pending and not announced and self.verbose and (
+                time.monotonic() - start > _PROGRESS_AFTER
+            ):
+                announced = True
+                print(f"LocalCluster: starting {self._describe()} ...",
+                      file=sys.stderr, flush=True)
             if pending:
                 time.sleep(0.1)
+        if announced:
+            print(f"LocalCluster: ready in {time.monotonic() - start:.1f}s",
+                  file=sys.stderr, flush=True)
+
+
+def _check_network_kind(kind):
+    if _NETWORK["kind"] not in (None, kind):
+        raise ClusterError(
+            f"LocalCluster: this process already ran a cluster with "
+            f"isolated={_NETWORK['kind'] == 'isolated'}; one with "
+            f"isolated={kind == 'isolated'} cannot follow it (the TensorFlow and gRPC "
+            "threads of this process live in the first one's network). Use one kind "
+            "per process: pass the same isolated=... to every LocalCluster, or run "
+            "this one in a new process."
+        )
+
+
+def _format_rate(bits_per_second):
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits_per_second >= scale:
+            return f"{bits_per_second / scale:g}{unit}"
+    return f"{bits_per_second}bit"
+
+
+_HUB_ENTRIES = {"count": 0}
+_HUB_ENTRIES_LOCK = threading.Lock()
+
+
+def _enter_hub(hub):
+    """The calling thread (and the threads it creates from now on: TensorFlow's
+    and gRPC's) joins the isolated clusters' network."""
+    with _HUB_ENTRIES_LOCK:
+        if _HUB_ENTRIES["count"] == 0:
+            hub.enter()
+        _HUB_ENTRIES["count"] += 1
+
+
+def _leave_hub(hub):
+    with _HUB_ENTRIES_LOCK:
+        _HUB_ENTRIES["count"] -= 1
+        if _HUB_ENTRIES["count"] == 0:
+            hub.leave()
 
 
 def _signal(pid, sig):
@@ -511,3 +790,4 @@ def _stop_all(tasks):
                 pass
     for task in tasks:
         task.stop(sig=signal.SIGKILL, timeout=10.0)
+        task.close_namespace()
