@@ -56,9 +56,9 @@ def _strategy(cfg):
     """(strategy or None, cluster or None) for the configured system."""
     system = cfg["system"]
     if system == "mirrored":
-        from tfdist_ext.cluster import logical_cpus
-
         import tensorflow as tf
+
+        from tfdist_ext.cluster import logical_cpus
 
         return tf.distribute.MirroredStrategy(logical_cpus(2)), None
     if system == "keras":

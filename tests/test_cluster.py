@@ -237,8 +237,8 @@ def test_help_explains_each_command():
 def test_server_is_quiet_warns_and_stops_on_ctrl_c():
     port = free_port()
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=(
-        '{"cluster": {"worker": ["127.0.0.1:%d"]}, "task": {"type": "worker", "index": 0}}'
-        % port))
+        f'{{"cluster": {{"worker": ["127.0.0.1:{port}"]}}, "task": {{"type": "worker", "index": 0}}}}'
+    ))
     server = subprocess.Popen([sys.executable, "-m", "tfdist_ext.cli", "server"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               stdin=subprocess.DEVNULL)

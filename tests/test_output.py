@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
 from test_sandblaster import PRELUDE
 from test_sandblaster import _result
+
 from tfdist_ext import compression as C
 
 

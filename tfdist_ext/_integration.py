@@ -47,13 +47,10 @@ Keras is pinned in ``setup.cfg`` to :data:`KERAS_TESTED`'s range; CI tests
 both ends (tox envs ``keras-oldest`` and ``keras-newest``).
 """
 
-import contextlib
 import contextvars
 import functools
 import inspect
 import itertools
-import os
-import sys
 import threading
 
 import keras
@@ -675,43 +672,6 @@ def disconnect_from_cluster():
     return True
 
 
-_GRPC_CONTINUATION = (b":UNKNOWN:", b"This could happen")
-
-
-@contextlib.contextmanager
-def native_log_without(patterns):
-    """Drops, for the block, the lines written to file descriptor 2 (where
-    TensorFlow's C++ runtime logs) that contain one of ``patterns`` (bytes);
-    everything else goes through unchanged (a dropped line's gRPC status
-    continuation lines are dropped with it)."""
-    if not patterns:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    read_end, write_end = os.pipe()
-    os.dup2(write_end, 2)
-    os.close(write_end)
-
-    def pump():
-        dropped = False
-        with os.fdopen(read_end, "rb") as lines:
-            for line in lines:
-                # A gRPC status continues on lines of its own.
-                continued = dropped and line.startswith(_GRPC_CONTINUATION)
-                dropped = continued or any(p in line for p in patterns)
-                if not dropped:
-                    os.write(saved, line)
-
-    thread = threading.Thread(target=pump, name="tfdist-stderr-filter", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)   # closes the pipe's last write end: the pump sees EOF
-        thread.join(timeout=5.0)
-        os.close(saved)
 
 
 def replace_variable_value(variable, value):

@@ -17,13 +17,13 @@ task of a local cluster through it.
 """
 
 import argparse
-import contextlib
 import os
 import signal
 import sys
 import threading
 import time
 
+from tfdist_ext._stderr import native_log_without
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 from tfdist_ext.cluster._tf_config import TFConfigError
 from tfdist_ext.cluster._tf_config import parse_tf_config
@@ -62,37 +62,6 @@ The task listens on the port of its own address, on every interface, and
 prints "READY <job>:<index> <address>" once it serves. It runs until SIGTERM or
 Ctrl-C (SIGINT). Its gRPC port is unauthenticated: see SECURITY.md.
 """
-
-
-@contextlib.contextmanager
-def _quiet_start_up():
-    """Drops TensorFlow's known start-up lines (the absl pre-init warning and
-    the oneDNN notice) from standard error; every other line is passed on."""
-    sys.stderr.flush()
-    read_end, write_end = os.pipe()
-    saved = os.dup(2)
-    os.dup2(write_end, 2)
-    os.close(write_end)
-    chunks = []
-
-    def drain():
-        while chunk := os.read(read_end, 65536):
-            chunks.append(chunk)
-
-    reader = threading.Thread(target=drain, name="start-up-stderr", daemon=True)
-    reader.start()
-    try:
-        yield
-    finally:
-        sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        reader.join(timeout=5.0)
-        os.close(read_end)
-        kept = [line for line in b"".join(chunks).splitlines(keepends=True)
-                if not any(noise in line for noise in _START_UP_NOISE)]
-        if kept:
-            os.write(2, b"".join(kept))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,7 +118,7 @@ def _serve(args):
         _watch_parent(int(parent))
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with _quiet_start_up():
+    with native_log_without(_START_UP_NOISE):
         import tensorflow as tf
 
         inter_op = args.inter_op_threads or len(cluster.get("worker", ())) + 1

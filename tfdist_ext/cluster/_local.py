@@ -371,10 +371,14 @@ class LocalCluster:
     def _make_spec(self, chief, num_workers, num_ps):
         if self.isolated:
             chief_address = f"{_netns.CHIEF_IP}:{self._hub.free_port()}"
-            task_address = lambda: f"{self._hub.new_address()}:{_netns.TASK_PORT}"
+
+            def task_address():
+                return f"{self._hub.new_address()}:{_netns.TASK_PORT}"
         else:
             chief_address = f"{HOST}:{free_port()}"
-            task_address = lambda: f"{HOST}:{free_port()}"
+
+            def task_address():
+                return f"{HOST}:{free_port()}"
         spec = {}
         if chief:
             spec["chief"] = [chief_address]

@@ -18,6 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext._stderr import native_log_without
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import attach_to_local_cluster
 from tfdist_ext.cluster._local import ping
@@ -134,7 +135,7 @@ class ParameterServerBase(_PSSV2):
         dead = self._dead_tasks()
         patterns = [s.encode() for job, index, address in dead
                     for s in (address, f"/job:{job}/replica:0/task:{index}")]
-        with _integration.native_log_without(patterns):
+        with native_log_without(patterns):
             self._stop_runtime()
             try:
                 self._bring_parameters_back(

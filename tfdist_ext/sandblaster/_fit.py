@@ -153,7 +153,7 @@ def keras_objective(model):
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
-    
+
     def loss_fn(params, batch):
         x, y, sample_weight = _integration.unpack_x_y_sample_weight(tuple(batch))
         mapping = list(zip(trainable, params)) + [(v, v.value) for v in non_trainable]
