@@ -22,25 +22,29 @@ def _data(name, seed):
 
 
 def _mlp(keras, inputs, hidden):
-    return keras.Sequential([
-        keras.Input((inputs,)),
-        keras.layers.Dense(hidden, activation="relu"),
-        keras.layers.Dense(hidden, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def _cnn(keras):
-    return keras.Sequential([
-        keras.Input((28, 28, 1)),
-        keras.layers.Conv2D(16, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def _compile(keras, model, lr):
@@ -97,14 +101,20 @@ def time_to_accuracy(cfg):
         curve.append([round(trained, 3), accuracy])
         if reached is None and accuracy >= target:
             reached = trained
-    out = {"seconds_to_target": reached, "final_accuracy": curve[-1][1], "curve": curve,
-           "target": target}
+    out = {
+        "seconds_to_target": reached,
+        "final_accuracy": curve[-1][1],
+        "curve": curve,
+        "target": target,
+    }
     if cfg["system"] == "downpour":
         summary = strategy.stats.summary()
-        out.update(push_bytes_per_step=summary["push_bytes_per_step"],
-                   fetch_bytes_per_step=summary["fetch_bytes_per_step"],
-                   staleness=strategy.stats.staleness,
-                   steps_per_worker=strategy.stats.steps_per_worker)
+        out.update(
+            push_bytes_per_step=summary["push_bytes_per_step"],
+            fetch_bytes_per_step=summary["fetch_bytes_per_step"],
+            staleness=strategy.stats.staleness,
+            steps_per_worker=strategy.stats.steps_per_worker,
+        )
     if cluster:
         _report(out)
     return out
@@ -123,12 +133,14 @@ def throughput(cfg):
     keras.utils.set_random_seed(cfg["seed"])
     shape = (784,) if cfg["model"] == "mlp" else (28, 28, 1)
     batch = 64
-    train = datasets.synthetic(batch * 32, input_shape=shape, seed=cfg["seed"]).batch(batch).repeat()
+    train = (
+        datasets.synthetic(batch * 32, input_shape=shape, seed=cfg["seed"]).batch(batch).repeat()
+    )
     scope = strategy.scope() if strategy else _null()
     with scope:
         model = _mlp(keras, 784, 512) if cfg["model"] == "mlp" else _cnn(keras)
         _compile(keras, model, 0.01)
-    model.fit(train, epochs=1, steps_per_epoch=cfg["steps"] // 4, verbose=0)   # warm-up
+    model.fit(train, epochs=1, steps_per_epoch=cfg["steps"] // 4, verbose=0)  # warm-up
     start = time.perf_counter()
     model.fit(train, epochs=1, steps_per_epoch=cfg["steps"], verbose=0)
     seconds = time.perf_counter() - start

@@ -37,8 +37,8 @@ def _scipy(x, y, memory):
     rows = np.arange(len(y))
 
     def f(w):
-        W = w[:d * k].reshape(d, k)
-        z = xd @ W + w[d * k:]
+        W = w[: d * k].reshape(d, k)
+        z = xd @ W + w[d * k :]
         z -= z.max(1, keepdims=True)
         lse = np.log(np.exp(z).sum(1))
         p = np.exp(z - lse[:, None])
@@ -48,23 +48,37 @@ def _scipy(x, y, memory):
         return loss, np.concatenate([(xd.T @ p + 2 * LAM * W).ravel(), p.sum(0)])
 
     t0 = time.perf_counter()
-    r = scipy.optimize.minimize(f, np.zeros(d * k + k), jac=True, method="L-BFGS-B",
-                                options=dict(maxcor=memory))
-    return {"fun": float(r.fun), "nit": int(r.nit), "nfev": int(r.nfev),
-            "message": str(r.message), "seconds": time.perf_counter() - t0}
+    r = scipy.optimize.minimize(
+        f, np.zeros(d * k + k), jac=True, method="L-BFGS-B", options=dict(maxcor=memory)
+    )
+    return {
+        "fun": float(r.fun),
+        "nit": int(r.nit),
+        "nfev": int(r.nfev),
+        "message": str(r.message),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _model(keras, d, initializer="zeros"):
-    return keras.Sequential([keras.Input((d,)), keras.layers.Dense(
-        10, kernel_initializer=initializer, kernel_regularizer=keras.regularizers.L2(LAM))])
+    return keras.Sequential(
+        [
+            keras.Input((d,)),
+            keras.layers.Dense(
+                10, kernel_initializer=initializer, kernel_regularizer=keras.regularizers.L2(LAM)
+            ),
+        ]
+    )
 
 
 def _loss_fn(tf):
     def loss_fn(params, batch):
         xb, yb = batch
         logits = tf.matmul(xb, params[0]) + params[1]
-        return (tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, logits))
-                + LAM * tf.reduce_sum(tf.square(params[0])))
+        return tf.reduce_mean(
+            tf.nn.sparse_softmax_cross_entropy_with_logits(yb, logits)
+        ) + LAM * tf.reduce_sum(tf.square(params[0]))
+
     return loss_fn
 
 
@@ -80,21 +94,31 @@ def task_scipy(cfg):
         strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, min_shard_bytes=1024)
         with strategy.scope():
             model = _model(keras, x.shape[1])
-            model.compile(optimizer=tfdist_ext.optimizers.LBFGS(memory=cfg["memory"]),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model.compile(
+                optimizer=tfdist_ext.optimizers.LBFGS(memory=cfg["memory"]),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            )
         t0 = time.perf_counter()
         history = model.fit(x, y, epochs=2000, verbose=0)
         seconds = time.perf_counter() - t0
         r = model.optimizer.result
         params = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-        out = {"ours": {"fun": r.fun, "nit": r.nit, "nfev": r.nfev, "message": r.message,
-                        "seconds": seconds},
-               "scipy": ref, "parameter_bytes": params,
-               "coordinator_bytes": history.history["coordinator_bytes"],
-               "losses": history.history["loss"],
-               "iteration_seconds": [h["seconds"] for h in r.history],
-               "function_evals": history.history["function_evals"],
-               "vector_op_bytes": model._sandblaster_run.op_bytes}
+        out = {
+            "ours": {
+                "fun": r.fun,
+                "nit": r.nit,
+                "nfev": r.nfev,
+                "message": r.message,
+                "seconds": seconds,
+            },
+            "scipy": ref,
+            "parameter_bytes": params,
+            "coordinator_bytes": history.history["coordinator_bytes"],
+            "losses": history.history["loss"],
+            "iteration_seconds": [h["seconds"] for h in r.history],
+            "function_evals": history.history["function_evals"],
+            "vector_op_bytes": model._sandblaster_run.op_bytes,
+        }
         print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -110,8 +134,9 @@ def task_straggler(cfg):
     with LocalCluster(num_workers=workers, num_ps=cfg["ps"]) as cluster:
         systems = {}
         for backups in (True, False):
-            strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, backup_tasks=backups,
-                                                      slices_per_worker=cfg["slices_per_worker"])
+            strategy = tfdist_ext.SandblasterStrategy(
+                cluster.resolver, backup_tasks=backups, slices_per_worker=cfg["slices_per_worker"]
+            )
             with strategy.scope():
                 w = tf.Variable(tf.zeros([x.shape[1], 10]))
                 b = tf.Variable(tf.zeros([10]))
@@ -125,29 +150,39 @@ def task_straggler(cfg):
             t0 = time.perf_counter()
             if throttled:
                 with cluster.throttle("worker", slow, slowdown=cfg["slowdown"]):
-                    r = tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                                        max_iterations=cfg["iterations"])
+                    r = tfdist_ext.sandblaster.minimize(
+                        loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=cfg["iterations"]
+                    )
             else:
-                r = tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                                    max_iterations=cfg["iterations"])
+                r = tfdist_ext.sandblaster.minimize(
+                    loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=cfg["iterations"]
+                )
             seconds = time.perf_counter() - t0
             passes = strategy.passes[start:]
-            return {"seconds": seconds, "fun": r.fun, "nfev": r.nfev,
-                    "pass_seconds": float(np.median([p.seconds for p in passes])),
-                    "backups": sum(p.backups for p in passes),
-                    "wasted": sum(p.wasted for p in passes),
-                    "slow_worker_share": float(np.mean(
-                        [p.slices_per_worker[slow] / p.slices for p in passes]))}
+            return {
+                "seconds": seconds,
+                "fun": r.fun,
+                "nfev": r.nfev,
+                "pass_seconds": float(np.median([p.seconds for p in passes])),
+                "backups": sum(p.backups for p in passes),
+                "wasted": sum(p.wasted for p in passes),
+                "slow_worker_share": float(
+                    np.mean([p.slices_per_worker[slow] / p.slices for p in passes])
+                ),
+            }
 
-        configs = {"no straggler": (True, False), "straggler, backup tasks": (True, True),
-                   "straggler, no backup tasks": (False, True)}
+        configs = {
+            "no straggler": (True, False),
+            "straggler, backup tasks": (True, True),
+            "straggler, no backup tasks": (False, True),
+        }
         # Warm-up, unthrottled: data sent to the workers, functions traced.
         timed(True, False)
         timed(False, False)
         samples = {name: [] for name in configs}
         names = list(configs)
         for r in range(cfg["repeats"]):
-            for name in names[r % 3:] + names[:r % 3]:
+            for name in names[r % 3 :] + names[: r % 3]:
                 samples[name].append(timed(*configs[name]))
         print("RESULT " + json.dumps(samples), flush=True)
 
@@ -166,20 +201,31 @@ def task_scaling(cfg):
         with strategy.scope():
             w = tf.Variable(tf.zeros([x.shape[1], classes]))
             b = tf.Variable(tf.zeros([classes]))
-        tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                        max_iterations=1)       # warm-up
+        tfdist_ext.sandblaster.minimize(
+            loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=1
+        )  # warm-up
         w.assign(tf.zeros_like(w))
         b.assign(tf.zeros_like(b))
         start = len(strategy.passes)
         t0 = time.perf_counter()
-        r = tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                            max_iterations=cfg["iterations"])
+        r = tfdist_ext.sandblaster.minimize(
+            loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=cfg["iterations"]
+        )
         seconds = time.perf_counter() - t0
         passes = strategy.passes[start:]
-        print("RESULT " + json.dumps({
-            "seconds_per_iteration": seconds / r.nit, "nit": r.nit, "nfev": r.nfev,
-            "pass_seconds": float(np.median([p.seconds for p in passes])), "fun": r.fun,
-        }), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "seconds_per_iteration": seconds / r.nit,
+                    "nit": r.nit,
+                    "nfev": r.nfev,
+                    "pass_seconds": float(np.median([p.seconds for p in passes])),
+                    "fun": r.fun,
+                }
+            ),
+            flush=True,
+        )
 
 
 def task_sgd(cfg):
@@ -190,12 +236,18 @@ def task_sgd(cfg):
     keras.utils.set_random_seed(cfg["seed"])
     model = _model(keras, x.shape[1])
     optimizer = {"adam": keras.optimizers.Adam, "adagrad": keras.optimizers.Adagrad}[
-        cfg["optimizer"]](cfg["learning_rate"])
-    model.compile(optimizer=optimizer,
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        cfg["optimizer"]
+    ](cfg["learning_rate"])
+    model.compile(
+        optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     full = tf.data.Dataset.from_tensor_slices((x, y)).batch(len(x)).cache()
-    train = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(
-        len(x), seed=cfg["seed"]).batch(cfg["batch_size"]).cache()
+    train = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=cfg["seed"])
+        .batch(cfg["batch_size"])
+        .cache()
+    )
     targets = sorted(cfg["targets"], reverse=True)
     reached = {}
     train_seconds = 0.0
@@ -203,20 +255,30 @@ def task_sgd(cfg):
         t0 = time.perf_counter()
         model.fit(train, epochs=1, verbose=0)
         train_seconds += time.perf_counter() - t0
-        loss = float(model.evaluate(full, verbose=0))      # not timed
+        loss = float(model.evaluate(full, verbose=0))  # not timed
         for t in targets:
             if t not in reached and loss <= t:
                 reached[t] = {"epochs": epoch, "seconds": train_seconds}
         if len(reached) == len(targets):
             break
-    print("RESULT " + json.dumps({"reached": {str(k): v for k, v in reached.items()},
-                                  "final_loss": loss, "epochs": epoch}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "reached": {str(k): v for k, v in reached.items()},
+                "final_loss": loss,
+                "epochs": epoch,
+            }
+        ),
+        flush=True,
+    )
 
 
 def main():
     cfg = json.loads(sys.argv[1])
-    {"scipy": task_scipy, "straggler": task_straggler, "scaling": task_scaling,
-     "sgd": task_sgd}[cfg["task"]](cfg)
+    {"scipy": task_scipy, "straggler": task_straggler, "scaling": task_scaling, "sgd": task_sgd}[
+        cfg["task"]
+    ](cfg)
 
 
 if __name__ == "__main__":

@@ -23,11 +23,11 @@ import time
 from benchmarks import _harness
 
 SEEDS = (0, 1, 2)
-WARMUP_EPOCHS = 4   # DGC warm-up epochs (densities 25%, 6.25%, 1.56%, 0.39%), as in the paper
+WARMUP_EPOCHS = 4  # DGC warm-up epochs (densities 25%, 6.25%, 1.56%, 0.39%), as in the paper
 DEVICES = 2
 
 
-MIN_SIZE = 1024   # tensors with fewer elements go dense in the error-feedback and DGC rows
+MIN_SIZE = 1024  # tensors with fewer elements go dense in the error-feedback and DGC rows
 
 
 def _configs(C, steps_per_epoch, warmup):
@@ -49,7 +49,10 @@ def _configs(C, steps_per_epoch, warmup):
         "powersgd rank 2": (C.PowerSGD(2), 0.9, 1.0),
         "dgc 99.9%": (C.DGC(warmup_epochs=warmup, **dgc, **small), 0.0, 1.0),
         "dgc 99.9% no momentum correction": (
-            C.DGC(warmup_epochs=warmup, momentum_correction=False, **dgc, **small), 0.9, 1.0),
+            C.DGC(warmup_epochs=warmup, momentum_correction=False, **dgc, **small),
+            0.9,
+            1.0,
+        ),
         "dgc 99.9% no warm-up": (C.DGC(warmup_epochs=0, **dgc, **small), 0.0, 1.0),
     }
 
@@ -63,31 +66,37 @@ def _datasets(quick):
 
 def _model(keras, name):
     if name == "mnist1d":
-        return keras.Sequential([
-            keras.Input((40, 1)),
-            keras.layers.Conv1D(32, 5, activation="relu"),
-            keras.layers.Conv1D(32, 5, strides=2, activation="relu"),
-            keras.layers.Conv1D(32, 3, strides=2, activation="relu"),
+        return keras.Sequential(
+            [
+                keras.Input((40, 1)),
+                keras.layers.Conv1D(32, 5, activation="relu"),
+                keras.layers.Conv1D(32, 5, strides=2, activation="relu"),
+                keras.layers.Conv1D(32, 3, strides=2, activation="relu"),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Conv2D(32, 3, activation="relu"),
             keras.layers.Flatten(),
             keras.layers.Dense(64, activation="relu"),
             keras.layers.Dense(10),
-        ])
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(16, 3, activation="relu"),
-        keras.layers.Conv2D(32, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+        ]
+    )
 
 
 def _data(name):
     from tfdist_ext import datasets
 
     if name == "mnist1d":
-        return (datasets.mnist1d("train", channels=True, as_numpy=True),
-                datasets.mnist1d("test", channels=True, as_numpy=True))
+        return (
+            datasets.mnist1d("train", channels=True, as_numpy=True),
+            datasets.mnist1d("test", channels=True, as_numpy=True),
+        )
     return datasets.digits("train", as_numpy=True), datasets.digits("test", as_numpy=True)
 
 
@@ -111,8 +120,9 @@ class _Trainer:
         if compressor is None:
             self.strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=cross)
         else:
-            self.strategy = C.CompressedMirroredStrategy(devices, cross_device_ops=cross,
-                                                         compression=compressor)
+            self.strategy = C.CompressedMirroredStrategy(
+                devices, cross_device_ops=cross, compression=compressor
+            )
         lr = spec["lr"] * lr_factor
         if spec.get("cosine"):
             # Cosine decay to 0 over the whole run (the same for every method).
@@ -122,7 +132,9 @@ class _Trainer:
             self.model.compile(
                 keras.optimizers.SGD(lr, momentum=momentum),
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"], steps_per_execution=steps)
+                metrics=["accuracy"],
+                steps_per_execution=steps,
+            )
 
     def _reset(self, seed):
         self.keras.utils.set_random_seed(seed)
@@ -139,15 +151,18 @@ class _Trainer:
 
         tf = self.tf
         self._reset(seed)
-        train = (tf.data.Dataset.from_tensor_slices((self.x, self.y))
-                 .shuffle(len(self.x), seed=seed)
-                 .batch(self.spec["batch"], drop_remainder=True))
+        train = (
+            tf.data.Dataset.from_tensor_slices((self.x, self.y))
+            .shuffle(len(self.x), seed=seed)
+            .batch(self.spec["batch"], drop_remainder=True)
+        )
         callbacks = [CompressionLogger()] if self.compressed else []
         start = time.perf_counter()
         self.model.fit(train, epochs=self.spec["epochs"], verbose=0, callbacks=callbacks)
         seconds = time.perf_counter() - start
-        accuracy = float(self.model.evaluate(self.x_test, self.y_test, verbose=0,
-                                             batch_size=500)[1])
+        accuracy = float(
+            self.model.evaluate(self.x_test, self.y_test, verbose=0, batch_size=500)[1]
+        )
         out = {"accuracy": accuracy, "seconds": seconds, "ratio": 1.0, "fraction": 0.0}
         if self.compressed:
             stats = self.strategy.compression_stats()
@@ -166,15 +181,19 @@ class _Trainer:
 def _throughput(tf, C, quick):
     sizes = (10_000, 100_000, 1_000_000) if quick else (10_000, 100_000, 1_000_000, 10_000_000)
     compressors = {
-        "fp16": C.FP16(), "ef-topk 1%": C.ErrorFeedback(C.TopK(0.01)),
-        "ef-randomk 1%": C.ErrorFeedback(C.RandomK(0.01)), "qsgd 4": C.QSGD(4),
-        "terngrad": C.TernGrad(), "onebit": C.OneBit(), "signsgd": C.SignSGD(),
+        "fp16": C.FP16(),
+        "ef-topk 1%": C.ErrorFeedback(C.TopK(0.01)),
+        "ef-randomk 1%": C.ErrorFeedback(C.RandomK(0.01)),
+        "qsgd 4": C.QSGD(4),
+        "terngrad": C.TernGrad(),
+        "onebit": C.OneBit(),
+        "signsgd": C.SignSGD(),
         "powersgd 2": C.PowerSGD(2),
         "dgc 99.9%": C.DGC(warmup_epochs=0),
     }
     figures, table = [], {}
     for n in sizes:
-        shape = (n // 100, 100)   # a matrix, so that PowerSGD compresses it
+        shape = (n // 100, 100)  # a matrix, so that PowerSGD compresses it
         grad = tf.random.stateless_normal(shape, [0, n])
         systems = {}
         for name, c in compressors.items():
@@ -185,7 +204,7 @@ def _throughput(tf, C, quick):
                 wire, state = c.compress(g, state, tf.constant(5, tf.int64))
                 return c.decompress(wire, g.shape), state, c.wire_bytes(wire)
 
-            roundtrip(grad, state)   # trace
+            roundtrip(grad, state)  # trace
 
             def measure(roundtrip=roundtrip, state=state):
                 start = time.perf_counter()
@@ -196,8 +215,11 @@ def _throughput(tf, C, quick):
             systems[name] = measure
         samples = _harness.interleaved(systems, 3)
         for name, values in samples.items():
-            figures.append(_harness.figure(f"{n:.0e} elements", name, "compress+decompress",
-                                           "MB/s", values, elements=n))
+            figures.append(
+                _harness.figure(
+                    f"{n:.0e} elements", name, "compress+decompress", "MB/s", values, elements=n
+                )
+            )
             table.setdefault(name, {})[n] = _harness.median(values)
     return figures, table, sizes
 
@@ -218,17 +240,29 @@ def run(quick=False, seed=0):
         steps = len(x) // spec["batch"]
         warmup = WARMUP_EPOCHS
         for name, (compressor, momentum, lr_factor) in _configs(C, steps, warmup).items():
-            trainer = _Trainer(tf, keras, C, devices, data_name, spec, compressor,
-                               momentum, lr_factor)
+            trainer = _Trainer(
+                tf, keras, C, devices, data_name, spec, compressor, momentum, lr_factor
+            )
             runs = [trainer.run(s) for s in seeds]
             results[(data_name, name)] = runs
-            for metric, unit in (("accuracy", "fraction"), ("ratio", "x"), ("final_ratio", "x"),
-                                 ("fraction", "of step time"), ("seconds", "s")):
-                figures.append(_harness.figure(data_name, name, metric, unit,
-                                               [r[metric] for r in runs], seeds=list(seeds)))
-            print(f"{data_name:8s} {name:34s} acc {statistics.mean(r['accuracy'] for r in runs):.4f}"
-                  f" ratio {statistics.mean(r['ratio'] for r in runs):8.1f}"
-                  f" frac {statistics.mean(r['fraction'] for r in runs):.3f}", flush=True)
+            for metric, unit in (
+                ("accuracy", "fraction"),
+                ("ratio", "x"),
+                ("final_ratio", "x"),
+                ("fraction", "of step time"),
+                ("seconds", "s"),
+            ):
+                figures.append(
+                    _harness.figure(
+                        data_name, name, metric, unit, [r[metric] for r in runs], seeds=list(seeds)
+                    )
+                )
+            print(
+                f"{data_name:8s} {name:34s} acc {statistics.mean(r['accuracy'] for r in runs):.4f}"
+                f" ratio {statistics.mean(r['ratio'] for r in runs):8.1f}"
+                f" frac {statistics.mean(r['fraction'] for r in runs):.3f}",
+                flush=True,
+            )
 
     tput_figures, tput, sizes = _throughput(tf, C, quick)
     figures += tput_figures
@@ -242,8 +276,11 @@ def run(quick=False, seed=0):
             base = results[(data_name, names[0])]
             acc = 100 * statistics.mean(r["accuracy"] for r in runs)
             delta = acc - 100 * statistics.mean(r["accuracy"] for r in base)
-            row += [round(acc, 2), round(delta, 2),
-                    round(statistics.mean(r["ratio"] for r in runs), 1)]
+            row += [
+                round(acc, 2),
+                round(delta, 2),
+                round(statistics.mean(r["ratio"] for r in runs), 1),
+            ]
         fractions = [r["fraction"] for d in _datasets(quick) for r in results[(d, name)]]
         row.append(round(100 * statistics.mean(fractions), 2))
         rows.append(row)
@@ -255,9 +292,9 @@ def run(quick=False, seed=0):
         "peer": "tf.distribute.MirroredStrategy dense all-reduce, same model, schedule and seeds",
         "figures": figures,
         "table": {
-            "columns": ["method"] + [f"{d} {c}" for d in ds
-                                     for c in ("acc %", "Δ vs dense (pts)", "ratio")]
-                       + ["compress % of step"],
+            "columns": ["method"]
+            + [f"{d} {c}" for d in ds for c in ("acc %", "Δ vs dense (pts)", "ratio")]
+            + ["compress % of step"],
             "rows": rows,
         },
         "throughput_table": {

@@ -64,14 +64,16 @@ def build_model(input_shape, width, norm, num_classes=10):
 
     def block(x, filters, stride, name):
         shortcut = x
-        y = conv(filters, 3, strides=stride, padding="same", use_bias=False,
-                 name=f"{name}_conv1")(x)
+        y = conv(filters, 3, strides=stride, padding="same", use_bias=False, name=f"{name}_conv1")(
+            x
+        )
         y = keras.layers.ReLU()(norm(f"{name}_bn1")(y))
         y = conv(filters, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
         y = norm(f"{name}_bn2")(y)
         if stride != 1 or shortcut.shape[-1] != filters:
-            shortcut = conv(filters, 1, strides=stride, use_bias=False,
-                            name=f"{name}_proj")(shortcut)
+            shortcut = conv(filters, 1, strides=stride, use_bias=False, name=f"{name}_proj")(
+                shortcut
+            )
             shortcut = norm(f"{name}_proj_bn")(shortcut)
         return keras.layers.ReLU()(keras.layers.Add()([shortcut, y]))
 
@@ -80,8 +82,11 @@ def build_model(input_shape, width, norm, num_classes=10):
     x = keras.layers.ReLU()(norm("stem_bn")(x))
     x = block(x, width, 1, "block1")
     x = block(x, 2 * width, 2, "block2")
-    pool = (keras.layers.GlobalAveragePooling1D if len(input_shape) == 2
-            else keras.layers.GlobalAveragePooling2D)
+    pool = (
+        keras.layers.GlobalAveragePooling1D
+        if len(input_shape) == 2
+        else keras.layers.GlobalAveragePooling2D
+    )
     x = pool()(x)
     return keras.Model(inputs, keras.layers.Dense(num_classes, name="logits")(x))
 
@@ -89,8 +94,7 @@ def build_model(input_shape, width, norm, num_classes=10):
 def _ibn(n):
     from tfdist_ext.layers import IndependentBatchNormalization
 
-    return lambda name: IndependentBatchNormalization(
-        virtual_batch_size=n, momentum=0.9, name=name)
+    return lambda name: IndependentBatchNormalization(virtual_batch_size=n, momentum=0.9, name=name)
 
 
 def _plain_bn(name):
@@ -139,9 +143,15 @@ def _rate(variant, cfg, k, steps_per_epoch):
     after = StepDecay(eta, cfg["decay"], steps_per_epoch=steps_per_epoch)
     batch = n if variant == "unscaled" else k * n
     warmup = cfg["warmup"] if variant == "scaled+warmup" else 0
-    return LinearScaling(eta, n, batch, warmup_epochs=warmup,
-                         steps_per_epoch=steps_per_epoch, after=after,
-                         total_epochs=cfg["epochs"])
+    return LinearScaling(
+        eta,
+        n,
+        batch,
+        warmup_epochs=warmup,
+        steps_per_epoch=steps_per_epoch,
+        after=after,
+        total_epochs=cfg["epochs"],
+    )
 
 
 def _train(data, cfg, k, variant, seed, epochs):
@@ -163,9 +173,12 @@ def _train(data, cfg, k, variant, seed, epochs):
         metrics=["accuracy"],
         steps_per_execution=STEPS_PER_EXECUTION,
     )
-    ds = (tf.data.Dataset.from_tensor_slices((x, y))
-          .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
-          .batch(batch, drop_remainder=True).prefetch(2))
+    ds = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed, reshuffle_each_iteration=True)
+        .batch(batch, drop_remainder=True)
+        .prefetch(2)
+    )
     start = time.perf_counter()
     history = model.fit(ds, epochs=epochs, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == epochs * steps
@@ -190,8 +203,10 @@ def _grid(name, data, cfg, ks, seeds, epochs, log):
             for variant in variants:
                 result = _train(data, cfg, k, variant, seed, epochs)
                 runs[(k, variant, seed)] = result
-                log(f"{name} k={k:2d} {variant:14s} seed={seed}: "
-                    f"error {result['test_error']:.2f}% ({result['seconds']:.0f}s)")
+                log(
+                    f"{name} k={k:2d} {variant:14s} seed={seed}: "
+                    f"error {result['test_error']:.2f}% ({result['seconds']:.0f}s)"
+                )
             if k == 1:
                 for variant in VARIANTS[1:]:
                     runs[(1, variant, seed)] = runs[(1, VARIANTS[0], seed)]
@@ -230,15 +245,18 @@ def _replica_experiment(mirrored, seeds, schedule, log):
     n, epochs = cfg["n"], cfg["epochs"]
     (x, y), (x_test, y_test) = _load("mnist1d")
     steps = len(x) // (4 * n)
-    systems = (("1x4n", tf.distribute.get_strategy(), False), ("4xn", mirrored, False),
-               ("1x4n+1e-7", tf.distribute.get_strategy(), True))
-    results = {}   # (norm, system, seed) -> dict
+    systems = (
+        ("1x4n", tf.distribute.get_strategy(), False),
+        ("4xn", mirrored, False),
+        ("1x4n+1e-7", tf.distribute.get_strategy(), True),
+    )
+    results = {}  # (norm, system, seed) -> dict
     for seed in seeds:
         rng = np.random.default_rng(seed)
-        order = np.concatenate([rng.permutation(len(x))[: steps * 4 * n]
-                                for _ in range(epochs)])
+        order = np.concatenate([rng.permutation(len(x))[: steps * 4 * n] for _ in range(epochs)])
         ds = tf.data.Dataset.from_tensor_slices((x[order], y[order])).batch(
-            4 * n, drop_remainder=True)
+            4 * n, drop_remainder=True
+        )
         for norm_name, norm in (("independent", _ibn(n)), ("plain", _plain_bn)):
             for system, strategy, perturb in systems:
                 if perturb and (norm_name == "plain" or seed != seeds[0]):
@@ -254,8 +272,11 @@ def _replica_experiment(mirrored, seeds, schedule, log):
                     )
                 if perturb:
                     kernel = model.get_layer("stem_conv").kernel
-                    kernel.assign(kernel.numpy() + 1e-7 * np.random.default_rng(1).normal(
-                        size=kernel.shape).astype("float32"))
+                    kernel.assign(
+                        kernel.numpy()
+                        + 1e-7
+                        * np.random.default_rng(1).normal(size=kernel.shape).astype("float32")
+                    )
                 start = time.perf_counter()
                 snapshots = []
                 model.fit(ds.take(1), verbose=0)
@@ -268,17 +289,23 @@ def _replica_experiment(mirrored, seeds, schedule, log):
                 _, accuracy = model.evaluate(x_test, y_test, batch_size=500, verbose=0)
                 bn = model.get_layer("stem_bn")
                 copies = getattr(bn.moving_mean.value, "values", None)
-                spread = (0.0 if not copies else float(max(
-                    np.abs(c.numpy() - copies[0].numpy()).max() for c in copies)))
+                spread = (
+                    0.0
+                    if not copies
+                    else float(max(np.abs(c.numpy() - copies[0].numpy()).max() for c in copies))
+                )
                 results[(norm_name, system, seed)] = {
-                    "accuracy": 100 * float(accuracy), "snapshots": snapshots,
-                    "replica_spread": spread}
-                log(f"replica run {norm_name} BN {system} seed={seed}: held-out accuracy "
-                    f"{100 * float(accuracy):.2f}% ({time.perf_counter() - start:.0f}s)")
+                    "accuracy": 100 * float(accuracy),
+                    "snapshots": snapshots,
+                    "replica_spread": spread,
+                }
+                log(
+                    f"replica run {norm_name} BN {system} seed={seed}: held-out accuracy "
+                    f"{100 * float(accuracy):.2f}% ({time.perf_counter() - start:.0f}s)"
+                )
 
     def diff(a, b, i):
-        return float(max(np.abs(u - v).max() for u, v in
-                         zip(a["snapshots"][i], b["snapshots"][i])))
+        return float(max(np.abs(u - v).max() for u, v in zip(a["snapshots"][i], b["snapshots"][i])))
 
     out = {}
     for norm_name in ("independent", "plain"):
@@ -288,9 +315,12 @@ def _replica_experiment(mirrored, seeds, schedule, log):
         acc4 = [r["accuracy"] for r in four]
         paired = [a - b for a, b in zip(acc1, acc4)]
         row = {
-            "acc_1x4n": acc1, "acc_4xn": acc4,
-            "acc_1x4n_mean": float(np.mean(acc1)), "acc_1x4n_std": float(np.std(acc1)),
-            "acc_4xn_mean": float(np.mean(acc4)), "acc_4xn_std": float(np.std(acc4)),
+            "acc_1x4n": acc1,
+            "acc_4xn": acc4,
+            "acc_1x4n_mean": float(np.mean(acc1)),
+            "acc_1x4n_std": float(np.std(acc1)),
+            "acc_4xn_mean": float(np.mean(acc4)),
+            "acc_4xn_std": float(np.std(acc4)),
             "paired_diff": paired,
             "paired_diff_mean": float(np.mean(paired)),
             "paired_diff_std": float(np.std(paired)),
@@ -307,9 +337,18 @@ def _replica_experiment(mirrored, seeds, schedule, log):
             row["noise_floor_diff_step10"] = diff(base, floor, 1)
             row["noise_floor_diff_final"] = diff(base, floor, 2)
         out[norm_name] = row
-        log(f"replicas {norm_name}: " + ", ".join(
-            f"{k}=" + ("[" + ", ".join(f"{u:.2f}" for u in v) + "]" if isinstance(v, list)
-                       else f"{v:.3g}") for k, v in row.items()))
+        log(
+            f"replicas {norm_name}: "
+            + ", ".join(
+                f"{k}="
+                + (
+                    "[" + ", ".join(f"{u:.2f}" for u in v) + "]"
+                    if isinstance(v, list)
+                    else f"{v:.3g}"
+                )
+                for k, v in row.items()
+            )
+        )
     return out
 
 
@@ -328,9 +367,11 @@ def _first_step_stats(mirrored, seed):
         stats = {}
         for system, strategy in (("1x4n", tf.distribute.get_strategy()), ("4xn", mirrored)):
             with strategy.scope():
-                layer = (IndependentBatchNormalization(virtual_batch_size=n, momentum=0.0)
-                         if norm_name == "independent"
-                         else keras.layers.BatchNormalization(momentum=0.0))
+                layer = (
+                    IndependentBatchNormalization(virtual_batch_size=n, momentum=0.0)
+                    if norm_name == "independent"
+                    else keras.layers.BatchNormalization(momentum=0.0)
+                )
                 layer.build(batch.shape)
             # Normalised output of each group of n with the statistics it was given.
             if system == "1x4n":
@@ -338,10 +379,12 @@ def _first_step_stats(mirrored, seed):
             else:
                 ds = tf.data.Dataset.from_tensor_slices(batch).batch(4 * n)
                 dist = mirrored.experimental_distribute_dataset(ds)
-                per_replica = mirrored.run(lambda t: layer(t, training=True),
-                                           args=(next(iter(dist)),))
-                out = np.concatenate([v.numpy() for v in
-                                      mirrored.experimental_local_results(per_replica)])
+                per_replica = mirrored.run(
+                    lambda t: layer(t, training=True), args=(next(iter(dist)),)
+                )
+                out = np.concatenate(
+                    [v.numpy() for v in mirrored.experimental_local_results(per_replica)]
+                )
             stats[system] = out
         diffs[norm_name] = float(np.abs(stats["1x4n"] - stats["4xn"]).max())
     return diffs
@@ -363,8 +406,9 @@ def _plots(results, curves, path_error, path_curves):
             ks = sorted(results[name][variant])
             means = [results[name][variant][k][0] for k in ks]
             stds = [results[name][variant][k][1] for k in ks]
-            ax.errorbar([k * n for k in ks], means, yerr=stds, marker=marker,
-                        capsize=3, label=variant)
+            ax.errorbar(
+                [k * n for k in ks], means, yerr=stds, marker=marker, capsize=3, label=variant
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(f"total batch k*n (n = {n})")
         ax.set_ylabel("held-out error (%)")
@@ -379,8 +423,11 @@ def _plots(results, curves, path_error, path_curves):
         n = CONFIG[name]["n"]
         for k, style in curves[name].items():
             mean = np.mean(style, axis=0)
-            ax.plot(np.arange(1, len(mean) + 1), mean,
-                    label=f"k={k}, total batch {k * n} (scaled+warmup)")
+            ax.plot(
+                np.arange(1, len(mean) + 1),
+                mean,
+                label=f"k={k}, total batch {k * n} (scaled+warmup)",
+            )
         ax.set_xlabel("epoch")
         ax.set_ylabel("training error (%)")
         ax.set_title(f"{name}: training curves (mean of 3 seeds)")
@@ -409,16 +456,19 @@ def run(quick=False, seed=0):
     figures, rows, summary, curves = [], [], {}, {}
     mirrored = tf.distribute.MirroredStrategy(devices)
     first = _first_step_stats(mirrored, seed)
-    replica_schedule = (dict(epochs=2, warmup=0.5, decay=(1,)) if quick
-                        else REPLICA_SCHEDULE)
+    replica_schedule = dict(epochs=2, warmup=0.5, decay=(1,)) if quick else REPLICA_SCHEDULE
     replicas = _replica_experiment(mirrored, seeds, replica_schedule, log)
     for name, cfg in CONFIG.items():
         data = _load(name)
         epochs = max(4, cfg["epochs"] // 4) if quick else cfg["epochs"]
-        if quick:   # the same schedule, shrunk in proportion
+        if quick:  # the same schedule, shrunk in proportion
             f = epochs / cfg["epochs"]
-            cfg = dict(cfg, epochs=epochs, warmup=cfg["warmup"] * f,
-                       decay=tuple(round(d * f, 2) for d in cfg["decay"]))
+            cfg = dict(
+                cfg,
+                epochs=epochs,
+                warmup=cfg["warmup"] * f,
+                decay=tuple(round(d * f, 2) for d in cfg["decay"]),
+            )
         runs = _grid(name, data, cfg, ks, seeds, epochs, log)
         summary[name] = {}
         for variant in VARIANTS:
@@ -427,45 +477,86 @@ def run(quick=False, seed=0):
                 errors = [runs[(k, variant, s)]["test_error"] for s in seeds]
                 mean, std = float(np.mean(errors)), float(np.std(errors))
                 summary[name][variant][k] = (mean, std)
-                figures.append(_harness.figure(
-                    f"{name} k={k}", variant, "held-out error", "%", errors,
-                    k=k, n=cfg["n"], total_batch=k * cfg["n"], seeds=list(seeds),
-                    mean=mean, std=std,
-                    diverged=sum(runs[(k, variant, s)]["diverged"] for s in seeds),
-                    train_seconds=[round(runs[(k, variant, s)]["seconds"], 1) for s in seeds],
-                ))
+                figures.append(
+                    _harness.figure(
+                        f"{name} k={k}",
+                        variant,
+                        "held-out error",
+                        "%",
+                        errors,
+                        k=k,
+                        n=cfg["n"],
+                        total_batch=k * cfg["n"],
+                        seeds=list(seeds),
+                        mean=mean,
+                        std=std,
+                        diverged=sum(runs[(k, variant, s)]["diverged"] for s in seeds),
+                        train_seconds=[round(runs[(k, variant, s)]["seconds"], 1) for s in seeds],
+                    )
+                )
         for k in ks:
-            rows.append([name, k, k * cfg["n"],
-                         *(f"{summary[name][v][k][0]:.2f} ± {summary[name][v][k][1]:.2f}"
-                           for v in VARIANTS)])
-        curves[name] = {k: [runs[(k, VARIANTS[0], s)]["train_error_curve"] for s in seeds]
-                        for k in (1, 8) if k in ks}
+            rows.append(
+                [
+                    name,
+                    k,
+                    k * cfg["n"],
+                    *(
+                        f"{summary[name][v][k][0]:.2f} ± {summary[name][v][k][1]:.2f}"
+                        for v in VARIANTS
+                    ),
+                ]
+            )
+        curves[name] = {
+            k: [runs[(k, VARIANTS[0], s)]["train_error_curve"] for s in seeds]
+            for k in (1, 8)
+            if k in ks
+        }
         for k, per_seed in curves[name].items():
-            figures.append(_harness.figure(
-                f"{name} k={k} curve", VARIANTS[0], "training error per epoch", "%",
-                [float(np.mean([c[-1] for c in per_seed]))],
-                curve_mean=[float(v) for v in np.mean(per_seed, axis=0)]))
+            figures.append(
+                _harness.figure(
+                    f"{name} k={k} curve",
+                    VARIANTS[0],
+                    "training error per epoch",
+                    "%",
+                    [float(np.mean([c[-1] for c in per_seed]))],
+                    curve_mean=[float(v) for v in np.mean(per_seed, axis=0)],
+                )
+            )
 
     for norm_name, r in replicas.items():
-        figures.append(_harness.figure(
-            "1x4n vs 4xn", f"{norm_name} BN", "held-out accuracy difference 1x4n - 4xn",
-            "points", r["paired_diff"],
-            first_step_bn_output_diff=first[norm_name], seeds=list(seeds),
-            **r))
-        rows.append([f"mnist1d 1x{4 * CONFIG['mnist1d']['n']} vs 4x{CONFIG['mnist1d']['n']}",
-                     f"{norm_name} BN", "",
-                     f"acc {r['acc_1x4n_mean']:.2f} ± {r['acc_1x4n_std']:.2f} vs "
-                     f"{r['acc_4xn_mean']:.2f} ± {r['acc_4xn_std']:.2f} "
-                     f"(paired diff {r['paired_diff_mean']:+.2f} ± {r['paired_diff_std']:.2f})",
-                     f"BN output diff {first[norm_name]:.2g}",
-                     f"weights diff: step 1 {r['weight_diff_step1']:.2g}, "
-                     f"step 10 {r['weight_diff_step10']:.2g}"])
+        figures.append(
+            _harness.figure(
+                "1x4n vs 4xn",
+                f"{norm_name} BN",
+                "held-out accuracy difference 1x4n - 4xn",
+                "points",
+                r["paired_diff"],
+                first_step_bn_output_diff=first[norm_name],
+                seeds=list(seeds),
+                **r,
+            )
+        )
+        rows.append(
+            [
+                f"mnist1d 1x{4 * CONFIG['mnist1d']['n']} vs 4x{CONFIG['mnist1d']['n']}",
+                f"{norm_name} BN",
+                "",
+                f"acc {r['acc_1x4n_mean']:.2f} ± {r['acc_1x4n_std']:.2f} vs "
+                f"{r['acc_4xn_mean']:.2f} ± {r['acc_4xn_std']:.2f} "
+                f"(paired diff {r['paired_diff_mean']:+.2f} ± {r['paired_diff_std']:.2f})",
+                f"BN output diff {first[norm_name]:.2g}",
+                f"weights diff: step 1 {r['weight_diff_step1']:.2g}, "
+                f"step 10 {r['weight_diff_step10']:.2g}",
+            ]
+        )
 
     suffix = ".quick" if quick else ""
     plot_paths = _plots(
-        summary, curves,
+        summary,
+        curves,
         os.path.join(_harness.RESULTS_DIR, f"large_batch_error{suffix}.png"),
-        os.path.join(_harness.RESULTS_DIR, f"large_batch_curves{suffix}.png"))
+        os.path.join(_harness.RESULTS_DIR, f"large_batch_curves{suffix}.png"),
+    )
 
     notes = [
         "k workers with per-worker batch n are simulated on one device as a total "
@@ -475,7 +566,8 @@ def run(quick=False, seed=0):
         "SGD momentum {} with momentum correction, weight decay {} as an L2 loss "
         "term and zero-gamma on the last BN of each residual branch "
         "(apply_goyal_recipe); the rate is divided by 10 at the step-decay epochs.".format(
-            CONFIG["digits"]["width"], 2 * CONFIG["mnist1d"]["width"], MOMENTUM, WEIGHT_DECAY),
+            CONFIG["digits"]["width"], 2 * CONFIG["mnist1d"]["width"], MOMENTUM, WEIGHT_DECAY
+        ),
         "momentum correction is built into the optimizer: SGD in the paper's Eq. (9) form "
         "(u <- m u + g, w <- w - rate u), which is exactly Keras's Eq. (10) SGD with the "
         "velocity rescaled by rate_new/rate_old at every rate change (what the "
@@ -483,9 +575,12 @@ def run(quick=False, seed=0):
         "weights over 64 steps with warm-up and two decays). This lets fit run "
         f"steps_per_execution={STEPS_PER_EXECUTION} steps per call (the rate schedule is "
         "evaluated in-graph at every step), about 2x faster for these small models.",
-        "per data set (n, eta for batch n, epochs, warm-up epochs, decay epochs): " + "; ".join(
+        "per data set (n, eta for batch n, epochs, warm-up epochs, decay epochs): "
+        + "; ".join(
             f"{k}: n={c['n']}, eta={c['eta']}, {c['epochs']} ep, warm-up {c['warmup']} ep, "
-            f"decay at {c['decay']}" for k, c in CONFIG.items()),
+            f"decay at {c['decay']}"
+            for k, c in CONFIG.items()
+        ),
         "schedule proportions follow the paper's 90 epochs (warm-up 5, decays at 30, 60, 80): "
         "warm-up ~5% of training, decays at 1/3, 2/3 and ~0.9 of it; one schedule per data "
         "set for every k and all three rules (no per-k tuning).",
@@ -513,18 +608,25 @@ def run(quick=False, seed=0):
         "runs one step per call.",
         "machine shared with other engineers' TensorFlow jobs: training seconds "
         "in the JSON are indicative only.",
-        "plots: " + ", ".join(os.path.basename(p) for p in plot_paths) if plot_paths
+        "plots: " + ", ".join(os.path.basename(p) for p in plot_paths)
+        if plot_paths
         else "matplotlib not installed: no plots",
     ]
     notes.extend(f"log: {line}" for line in log_lines if line.startswith("replica"))
     return {
         "candidate": "LinearScaling with gradual warm-up (+ IndependentBatchNormalization, "
-                     "momentum correction, Goyal recipe)",
+        "momentum correction, Goyal recipe)",
         "peer": "linear scaling without warm-up; no scaling",
         "figures": figures,
         "table": {
-            "columns": ["data", "k", "total batch", "error % scaled+warmup",
-                        "error % scaled", "error % unscaled"],
+            "columns": [
+                "data",
+                "k",
+                "total batch",
+                "error % scaled+warmup",
+                "error % scaled",
+                "error % unscaled",
+            ],
             "rows": rows,
         },
         "notes": notes,

@@ -13,18 +13,21 @@ import time
 
 from benchmarks import _harness
 
-BENCHMARKS = tuple(sorted(
-    name[:-3]
-    for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
-    if name.endswith(".py") and not name.startswith("_") and name != "run.py"
-))
+BENCHMARKS = tuple(
+    sorted(
+        name[:-3]
+        for name in os.listdir(os.path.dirname(os.path.abspath(__file__)))
+        if name.endswith(".py") and not name.startswith("_") and name != "run.py"
+    )
+)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run")
     parser.add_argument("name", choices=BENCHMARKS)
-    parser.add_argument("--quick", action="store_true",
-                        help="few repeats and small sizes: a smoke run")
+    parser.add_argument(
+        "--quick", action="store_true", help="few repeats and small sizes: a smoke run"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -32,10 +35,13 @@ def main(argv=None):
     start = time.time()
     result = module.run(quick=args.quick, seed=args.seed)
     elapsed = time.time() - start
-    path = _harness.write_result(args.name, result, quick=args.quick,
-                                 seed=args.seed, elapsed=elapsed)
-    print(f"\n{args.name}: candidate = {result['candidate']}; peer = {result['peer']}"
-          f" (seed {args.seed}, {elapsed:.0f}s)")
+    path = _harness.write_result(
+        args.name, result, quick=args.quick, seed=args.seed, elapsed=elapsed
+    )
+    print(
+        f"\n{args.name}: candidate = {result['candidate']}; peer = {result['peer']}"
+        f" (seed {args.seed}, {elapsed:.0f}s)"
+    )
     print(_harness.format_table(result["table"]))
     for note in result.get("notes", ()):
         print(f"- {note}")

@@ -34,7 +34,7 @@ def _reach(losses, seconds, evals, target):
         total_s += s
         total_e += e
         if loss <= target:
-            return total_e + 1, total_s     # + the evaluation of the start point
+            return total_e + 1, total_s  # + the evaluation of the start point
     return None, None
 
 
@@ -52,8 +52,9 @@ def run(quick=False, seed=0):
     optimum = {}
     lbfgs_curves = {}
     for name, size in problems.items():
-        cfg = dict(task="scipy", problem=name.split()[0], seed=seed, memory=10,
-                   workers=2, ps=2, **size)
+        cfg = dict(
+            task="scipy", problem=name.split()[0], seed=seed, memory=10, workers=2, ps=2, **size
+        )
         r = _run(cfg)
         ours, ref = r["ours"], r["scipy"]
         rel = abs(ours["fun"] - ref["fun"]) / abs(ref["fun"])
@@ -63,63 +64,136 @@ def run(quick=False, seed=0):
         for system, values in (("sandblaster", ours), ("scipy L-BFGS-B", ref)):
             figures.append(_harness.figure(name, system, "final loss", "nats", values["fun"]))
             figures.append(_harness.figure(name, system, "iterations", "count", values["nit"]))
-            figures.append(_harness.figure(name, system, "function evaluations", "count",
-                                           values["nfev"]))
+            figures.append(
+                _harness.figure(name, system, "function evaluations", "count", values["nfev"])
+            )
             figures.append(_harness.figure(name, system, "wall time", "s", values["seconds"]))
-        figures.append(_harness.figure(name, "sandblaster", "relative loss difference vs scipy",
-                                       "ratio", rel))
-        figures.append(_harness.figure(name, "sandblaster", "coordinator bytes per iteration",
-                                       "bytes", r["coordinator_bytes"],
-                                       parameter_bytes=r["parameter_bytes"],
-                                       vector_op_bytes=r["vector_op_bytes"]))
-        rows.append([f"correctness: {name}", "final loss (ours / scipy)",
-                     f"{ours['fun']:.9f} / {ref['fun']:.9f}", f"rel. diff {rel:.1e}"])
-        rows.append([f"correctness: {name}", "iterations (ours / scipy)",
-                     f"{ours['nit']} / {ref['nit']}",
-                     f"ratio {ours['nit'] / ref['nit']:.2f}; evaluations "
-                     f"{ours['nfev']} / {ref['nfev']}"])
-        rows.append([f"traffic: {name}", "bytes to coordinator per iteration",
-                     f"{bytes_it:.0f}", f"parameters are {r['parameter_bytes']:,} bytes"])
-        notes.append(f"{name}: ours stopped with '{ours['message']}', SciPy with "
-                     f"'{ref['message']}'; wall {ours['seconds']:.1f} s (cluster) vs "
-                     f"{ref['seconds']:.2f} s (SciPy, one process, float64 NumPy)")
+        figures.append(
+            _harness.figure(name, "sandblaster", "relative loss difference vs scipy", "ratio", rel)
+        )
+        figures.append(
+            _harness.figure(
+                name,
+                "sandblaster",
+                "coordinator bytes per iteration",
+                "bytes",
+                r["coordinator_bytes"],
+                parameter_bytes=r["parameter_bytes"],
+                vector_op_bytes=r["vector_op_bytes"],
+            )
+        )
+        rows.append(
+            [
+                f"correctness: {name}",
+                "final loss (ours / scipy)",
+                f"{ours['fun']:.9f} / {ref['fun']:.9f}",
+                f"rel. diff {rel:.1e}",
+            ]
+        )
+        rows.append(
+            [
+                f"correctness: {name}",
+                "iterations (ours / scipy)",
+                f"{ours['nit']} / {ref['nit']}",
+                f"ratio {ours['nit'] / ref['nit']:.2f}; evaluations {ours['nfev']} / {ref['nfev']}",
+            ]
+        )
+        rows.append(
+            [
+                f"traffic: {name}",
+                "bytes to coordinator per iteration",
+                f"{bytes_it:.0f}",
+                f"parameters are {r['parameter_bytes']:,} bytes",
+            ]
+        )
+        notes.append(
+            f"{name}: ours stopped with '{ours['message']}', SciPy with "
+            f"'{ref['message']}'; wall {ours['seconds']:.1f} s (cluster) vs "
+            f"{ref['seconds']:.2f} s (SciPy, one process, float64 NumPy)"
+        )
 
     # -- stragglers -------------------------------------------------------------
-    for workers in ((4,) if quick else (4, 2)):
-        cfg = dict(task="straggler", seed=seed, n=40000 if quick else 160000, d=256,
-                   workers=workers, ps=1, slices_per_worker=10, slowdown=4,
-                   iterations=2 if quick else 3, repeats=repeats)
+    for workers in (4,) if quick else (4, 2):
+        cfg = dict(
+            task="straggler",
+            seed=seed,
+            n=40000 if quick else 160000,
+            d=256,
+            workers=workers,
+            ps=1,
+            slices_per_worker=10,
+            slowdown=4,
+            iterations=2 if quick else 3,
+            repeats=repeats,
+        )
         samples = _run(cfg)
         base = _harness.median([s["pass_seconds"] for s in samples["no straggler"]])
         case = f"straggler: {workers} workers, 1 slowed 4x"
         for system, runs in samples.items():
             pass_s = [s["pass_seconds"] for s in runs]
-            figures.append(_harness.figure(
-                case, system, "median pass wall time", "s", pass_s,
-                backups=[s["backups"] for s in runs], wasted=[s["wasted"] for s in runs],
-                slow_worker_share=[s["slow_worker_share"] for s in runs],
-                losses=[s["fun"] for s in runs]))
-            rows.append([case, system, f"{_harness.median(pass_s):.3f} s per pass",
-                         f"{_harness.median(pass_s) / base:.2f}x no-straggler; slowed worker "
-                         f"did {100 * _harness.median([s['slow_worker_share'] for s in runs]):.0f}% "
-                         f"of slices; {sum(s['backups'] for s in runs)} backups"])
+            figures.append(
+                _harness.figure(
+                    case,
+                    system,
+                    "median pass wall time",
+                    "s",
+                    pass_s,
+                    backups=[s["backups"] for s in runs],
+                    wasted=[s["wasted"] for s in runs],
+                    slow_worker_share=[s["slow_worker_share"] for s in runs],
+                    losses=[s["fun"] for s in runs],
+                )
+            )
+            rows.append(
+                [
+                    case,
+                    system,
+                    f"{_harness.median(pass_s):.3f} s per pass",
+                    f"{_harness.median(pass_s) / base:.2f}x no-straggler; slowed worker "
+                    f"did {100 * _harness.median([s['slow_worker_share'] for s in runs]):.0f}% "
+                    f"of slices; {sum(s['backups'] for s in runs)} backups",
+                ]
+            )
 
     # -- scaling ----------------------------------------------------------------
     scaling = {w: [] for w in (1, 2)}
     for r in range(repeats):
-        for w in ((1, 2) if r % 2 == 0 else (2, 1)):
-            scaling[w].append(_run(dict(task="scaling", seed=seed, n=40000 if quick else 100000,
-                                        d=256 if quick else 1024, classes=10 if quick else 100,
-                                        workers=w, ps=1, iterations=3)))
+        for w in (1, 2) if r % 2 == 0 else (2, 1):
+            scaling[w].append(
+                _run(
+                    dict(
+                        task="scaling",
+                        seed=seed,
+                        n=40000 if quick else 100000,
+                        d=256 if quick else 1024,
+                        classes=10 if quick else 100,
+                        workers=w,
+                        ps=1,
+                        iterations=3,
+                    )
+                )
+            )
     one = _harness.median([s["seconds_per_iteration"] for s in scaling[1]])
     for w, runs in scaling.items():
         per_it = [s["seconds_per_iteration"] for s in runs]
-        figures.append(_harness.figure(SCALING_CASE, f"{w} worker(s)",
-                                       "seconds per iteration", "s", per_it,
-                                       pass_seconds=[s["pass_seconds"] for s in runs]))
-        rows.append([SCALING_CASE, f"{w} worker(s)",
-                     f"{_harness.median(per_it):.3f} s per iteration",
-                     f"speed-up {one / _harness.median(per_it):.2f}x"])
+        figures.append(
+            _harness.figure(
+                SCALING_CASE,
+                f"{w} worker(s)",
+                "seconds per iteration",
+                "s",
+                per_it,
+                pass_seconds=[s["pass_seconds"] for s in runs],
+            )
+        )
+        rows.append(
+            [
+                SCALING_CASE,
+                f"{w} worker(s)",
+                f"{_harness.median(per_it):.3f} s per iteration",
+                f"speed-up {one / _harness.median(per_it):.2f}x",
+            ]
+        )
 
     # -- against SGD -------------------------------------------------------------
     name = "digits"
@@ -128,35 +202,70 @@ def run(quick=False, seed=0):
     r = lbfgs_curves[name]
     for t, label in zip(targets, ("1%", "0.1%")):
         passes, secs = _reach(r["losses"], r["iteration_seconds"], r["function_evals"], t)
-        figures.append(_harness.figure(f"to loss within {label} of optimum", "sandblaster L-BFGS",
-                                       "passes", "count", passes if passes else -1,
-                                       seconds=secs))
-        rows.append([f"vs SGD: within {label} of optimum (digits)", "sandblaster L-BFGS",
-                     f"{passes} passes", f"{secs:.2f} s" if secs else "not reached"])
+        figures.append(
+            _harness.figure(
+                f"to loss within {label} of optimum",
+                "sandblaster L-BFGS",
+                "passes",
+                "count",
+                passes if passes else -1,
+                seconds=secs,
+            )
+        )
+        rows.append(
+            [
+                f"vs SGD: within {label} of optimum (digits)",
+                "sandblaster L-BFGS",
+                f"{passes} passes",
+                f"{secs:.2f} s" if secs else "not reached",
+            ]
+        )
     rates = {"adam": [0.003, 0.01, 0.03], "adagrad": [0.03, 0.1, 0.3]}
     if quick:
         rates = {"adam": [0.01], "adagrad": [0.1]}
     for optimizer, lrs in rates.items():
         best = None
         for lr in lrs:
-            out = _run(dict(task="sgd", problem=name, seed=seed, optimizer=optimizer,
-                            learning_rate=lr, batch_size=64, targets=targets,
-                            max_epochs=40 if quick else 300))
-            figures.append(_harness.figure(f"sgd {optimizer} lr={lr}", optimizer, "final loss",
-                                           "nats", out["final_loss"], reached=out["reached"],
-                                           epochs=out["epochs"]))
-            key = (len(out["reached"]), -min((v["epochs"] for v in out["reached"].values()),
-                                             default=10 ** 9))
+            out = _run(
+                dict(
+                    task="sgd",
+                    problem=name,
+                    seed=seed,
+                    optimizer=optimizer,
+                    learning_rate=lr,
+                    batch_size=64,
+                    targets=targets,
+                    max_epochs=40 if quick else 300,
+                )
+            )
+            figures.append(
+                _harness.figure(
+                    f"sgd {optimizer} lr={lr}",
+                    optimizer,
+                    "final loss",
+                    "nats",
+                    out["final_loss"],
+                    reached=out["reached"],
+                    epochs=out["epochs"],
+                )
+            )
+            key = (
+                len(out["reached"]),
+                -min((v["epochs"] for v in out["reached"].values()), default=10**9),
+            )
             if best is None or key > best[0]:
                 best = (key, lr, out)
         _, lr, out = best
         for t, label in zip(targets, ("1%", "0.1%")):
             hit = out["reached"].get(str(t))
-            rows.append([f"vs SGD: within {label} of optimum (digits)",
-                         f"{optimizer} (lr {lr}, batch 64)",
-                         f"{hit['epochs']} passes" if hit else
-                         f"not within {out['epochs']} passes",
-                         f"{hit['seconds']:.2f} s" if hit else f"final loss {out['final_loss']:.5f}"])
+            rows.append(
+                [
+                    f"vs SGD: within {label} of optimum (digits)",
+                    f"{optimizer} (lr {lr}, batch 64)",
+                    f"{hit['epochs']} passes" if hit else f"not within {out['epochs']} passes",
+                    f"{hit['seconds']:.2f} s" if hit else f"final loss {out['final_loss']:.5f}",
+                ]
+            )
 
     notes += [
         f"seed {seed}; L2 1e-3 on the kernel; zero initial weights for every system; "

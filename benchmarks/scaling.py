@@ -12,24 +12,28 @@ from benchmarks import _harness
 
 def _models(keras):
     def mlp():
-        return keras.Sequential([
-            keras.Input((784,)),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(512, activation="relu"),
-            keras.layers.Dense(10),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input((784,)),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(512, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
 
     def cnn():
-        return keras.Sequential([
-            keras.Input((28, 28, 1)),
-            keras.layers.Conv2D(32, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Conv2D(64, 3, activation="relu"),
-            keras.layers.MaxPooling2D(),
-            keras.layers.Flatten(),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(10),
-        ])
+        return keras.Sequential(
+            [
+                keras.Input((28, 28, 1)),
+                keras.layers.Conv2D(32, 3, activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Conv2D(64, 3, activation="relu"),
+                keras.layers.MaxPooling2D(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(128, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
 
     return {"mlp": (mlp, (784,), 256), "cnn": (cnn, (28, 28, 1), 128)}
 
@@ -50,8 +54,12 @@ def run(quick=False, seed=0):
     # collide on collective instance keys.
     mirrored = tf.distribute.MirroredStrategy(devices)
     for case, (build, shape, batch) in _models(keras).items():
-        ds = (datasets.synthetic(batch * steps, input_shape=shape, seed=seed)
-              .batch(batch).cache().repeat())
+        ds = (
+            datasets.synthetic(batch * steps, input_shape=shape, seed=seed)
+            .batch(batch)
+            .cache()
+            .repeat()
+        )
         systems = {}
         for system, strategy in (
             ("keras", tf.distribute.get_strategy()),
@@ -73,8 +81,11 @@ def run(quick=False, seed=0):
             systems[system] = measure
         samples = _harness.interleaved(systems, repeats)
         for system, values in samples.items():
-            figures.append(_harness.figure(case, system, "throughput", "examples/s",
-                                           values, batch_size=batch, steps=steps))
+            figures.append(
+                _harness.figure(
+                    case, system, "throughput", "examples/s", values, batch_size=batch, steps=steps
+                )
+            )
         base = _harness.median(samples["keras"])
         candidate = _harness.median(samples["mirrored-2"])
         rows.append([case, batch, base, candidate, candidate / base])
@@ -83,8 +94,13 @@ def run(quick=False, seed=0):
         "peer": "plain Keras model.fit, one process, default strategy",
         "figures": figures,
         "table": {
-            "columns": ["model", "global batch", "keras ex/s", "mirrored-2 ex/s",
-                        "mirrored / keras"],
+            "columns": [
+                "model",
+                "global batch",
+                "keras ex/s",
+                "mirrored-2 ex/s",
+                "mirrored / keras",
+            ],
             "rows": rows,
         },
         "notes": [

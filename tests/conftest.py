@@ -34,7 +34,7 @@ def _use_private_temp_dir(config):
     so that what it leaves there is its own, not another run's on this machine."""
     directory = tempfile.mkdtemp(prefix="tests-temp-")
     os.environ["TMPDIR"] = directory
-    tempfile.tempdir = None   # gettempdir() reads TMPDIR again
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
     config.stash[_TEMP_DIR] = directory
 
 
@@ -51,8 +51,10 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(directory, ignore_errors=True)
         return
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    message = (f"FAILED: the run left {len(left)} tfdist-ext entries in its temporary "
-               f"directory {directory}: {', '.join(left[:10])}")
+    message = (
+        f"FAILED: the run left {len(left)} tfdist-ext entries in its temporary "
+        f"directory {directory}: {', '.join(left[:10])}"
+    )
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.ensure_newline()
@@ -79,13 +81,15 @@ def run_script(source, *, timeout=240, env=None, expect_ok=True):
     try:
         proc = subprocess.run(
             [sys.executable, "-c", textwrap.dedent(source)],
-            capture_output=True, text=True, timeout=timeout, env=full_env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=full_env,
             stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(
-            f"script did not finish within {timeout}s\nstdout:\n{e.stdout}\n"
-            f"stderr:\n{e.stderr}"
+            f"script did not finish within {timeout}s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}"
         )
     if expect_ok and proc.returncode != 0:
         pytest.fail(
@@ -95,8 +99,15 @@ def run_script(source, *, timeout=240, env=None, expect_ok=True):
     return proc
 
 
-_NOISE = ("E0000", "W0000", "I0000", "Additional GRPC", ":UNKNOWN:", "This could happen",
-          "WARNING: All log")
+_NOISE = (
+    "E0000",
+    "W0000",
+    "I0000",
+    "Additional GRPC",
+    ":UNKNOWN:",
+    "This could happen",
+    "WARNING: All log",
+)
 
 
 def _quiet(stderr):
@@ -116,7 +127,11 @@ def run_tutorial(filename, *args, timeout):
     fails the test with the end of its stderr."""
     proc = subprocess.run(
         [sys.executable, os.path.join("tutorials", filename), *args],
-        cwd=REPO, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
     )
     assert proc.returncode == 0, _quiet(proc.stderr)[-4000:]

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)   # benchmarks/ is a folder of the repository, not installed
+sys.path.insert(0, REPO)  # benchmarks/ is a folder of the repository, not installed
 
 from benchmarks import _harness  # noqa: E402
 
@@ -20,6 +20,7 @@ def test_interleaved_rotates_order_and_discards_warmup():
         def run():
             calls.append(name)
             return len(calls)
+
         return run
 
     samples = _harness.interleaved({"a": system("a"), "b": system("b")}, repeats=3, warmup=1)
@@ -38,9 +39,13 @@ def test_figure_and_table():
 
 def test_write_result_has_machine_versions_and_seed(tmp_path, monkeypatch):
     monkeypatch.setattr(_harness, "RESULTS_DIR", str(tmp_path))
-    path = _harness.write_result("demo", {"candidate": "c", "peer": "p", "figures": [],
-                                          "table": {"columns": [], "rows": []}},
-                                 quick=True, seed=3, elapsed=1.0)
+    path = _harness.write_result(
+        "demo",
+        {"candidate": "c", "peer": "p", "figures": [], "table": {"columns": [], "rows": []}},
+        quick=True,
+        seed=3,
+        elapsed=1.0,
+    )
     doc = json.load(open(path))
     assert path.endswith("demo.quick.json")
     assert doc["seed"] == 3 and doc["peer"] == "p" and doc["machine"]["cpu_count"] >= 1
@@ -51,17 +56,28 @@ def test_committed_scaling_result_is_from_a_real_run():
     doc = json.load(open(os.path.join(REPO, "benchmarks", "results", "scaling.json")))
     assert doc["quick"] is False and doc["peer"] and doc["candidate"]
     systems = {(f["case"], f["system"]) for f in doc["figures"]}
-    assert systems == {("mlp", "keras"), ("mlp", "mirrored-2"), ("cnn", "keras"),
-                       ("cnn", "mirrored-2")}
-    assert all(f["unit"] == "examples/s" and f["median"] > 0 and len(f["repeats"]) >= 3
-               for f in doc["figures"])
+    assert systems == {
+        ("mlp", "keras"),
+        ("mlp", "mirrored-2"),
+        ("cnn", "keras"),
+        ("cnn", "mirrored-2"),
+    }
+    assert all(
+        f["unit"] == "examples/s" and f["median"] > 0 and len(f["repeats"]) >= 3
+        for f in doc["figures"]
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_scaling_benchmark_quick_run(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "scaling", "--quick"],
-                          cwd=REPO, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "scaling", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "mirrored / keras" in proc.stdout
     doc = json.load(open(os.path.join(REPO, "benchmarks", "results", "scaling.quick.json")))
@@ -69,6 +85,11 @@ def test_scaling_benchmark_quick_run(tmp_path):
 
 
 def test_unknown_benchmark_is_rejected():
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "nosuch"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "nosuch"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr

@@ -8,9 +8,14 @@ import pytest
 
 
 def _run(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "tfdist_ext.cli", *args], capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"))
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist_ext.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
 
 
 def test_usage_and_unknown_command():

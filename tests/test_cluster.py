@@ -23,8 +23,9 @@ def _gone(pid):
     except ProcessLookupError:
         return True
     # A zombie still answers kill(0); ask ps for its state.
-    out = subprocess.run(["ps", "-o", "stat=", "-p", str(pid)],
-                         capture_output=True, text=True).stdout.strip()
+    out = subprocess.run(
+        ["ps", "-o", "stat=", "-p", str(pid)], capture_output=True, text=True
+    ).stdout.strip()
     return out == "" or out.startswith("Z")
 
 
@@ -64,8 +65,9 @@ def test_start_ping_kill_restart_and_teardown():
         start = time.monotonic()
         # Refused at once (UNAVAILABLE), as a dead process on a live host is,
         # not left to time out: an isolated task's namespace outlives its process.
-        with pytest.raises(ClusterTimeoutError,
-                           match=f"{cluster.address('worker', 1)}.*UNAVAILABLE"):
+        with pytest.raises(
+            ClusterTimeoutError, match=f"{cluster.address('worker', 1)}.*UNAVAILABLE"
+        ):
             ping(cluster.address("worker", 1), timeout=2.0)
         assert time.monotonic() - start < 10
         # The others are untouched.
@@ -98,8 +100,9 @@ def test_no_orphans_when_parent_is_killed():
         print(" ".join(map(str, cluster.pids())), flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE,
-                              text=True, stdin=subprocess.DEVNULL)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", source], stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+    )
     try:
         line = parent.stdout.readline()
         pids = [int(p) for p in line.split()]
@@ -115,7 +118,7 @@ def test_no_orphans_when_parent_is_killed():
 
 @pytest.mark.timeout(30)
 def test_unreachable_task_fails_within_deadline():
-    address = f"127.0.0.1:{free_port()}"   # nothing listens here
+    address = f"127.0.0.1:{free_port()}"  # nothing listens here
     start = time.monotonic()
     with pytest.raises(ClusterTimeoutError, match=address):
         ping(address, timeout=1.5)
@@ -124,8 +127,11 @@ def test_unreachable_task_fails_within_deadline():
 
 @pytest.mark.timeout(60)
 def test_task_that_cannot_start_reports_its_output(monkeypatch):
-    monkeypatch.setattr(LocalCluster, "_argv", lambda self, job: [
-        sys.executable, "-c", "import sys; sys.exit('injected failure')"])
+    monkeypatch.setattr(
+        LocalCluster,
+        "_argv",
+        lambda self, job: [sys.executable, "-c", "import sys; sys.exit('injected failure')"],
+    )
     cluster = LocalCluster(num_workers=1, num_ps=0)
     with pytest.raises(ClusterError, match="worker:0 exited with status 1(.|\\n)*injected failure"):
         cluster.start()
@@ -135,8 +141,11 @@ def test_task_that_cannot_start_reports_its_output(monkeypatch):
 @pytest.mark.timeout(60)
 def test_start_deadline_is_enforced(monkeypatch):
     # A task that never becomes ready must fail the start within start_timeout.
-    monkeypatch.setattr(LocalCluster, "_argv", lambda self, job: [
-        sys.executable, "-c", "import time; time.sleep(60)"])
+    monkeypatch.setattr(
+        LocalCluster,
+        "_argv",
+        lambda self, job: [sys.executable, "-c", "import time; time.sleep(60)"],
+    )
     cluster = LocalCluster(num_workers=1, num_ps=0, start_timeout=2)
     start = time.monotonic()
     with pytest.raises(ClusterTimeoutError, match="worker:0 did not answer within 2s"):
@@ -145,13 +154,16 @@ def test_start_deadline_is_enforced(monkeypatch):
     assert _wait_gone(cluster.pids())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_workers": 0}, "num_workers"),
-    ({"num_ps": -1}, "num_ps"),
-    ({"num_workers": 1.5}, "num_workers"),
-    ({"inter_op_threads": 0}, "inter_op_threads"),
-    ({"start_timeout": 0}, "start_timeout"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_workers": 0}, "num_workers"),
+        ({"num_ps": -1}, "num_ps"),
+        ({"num_workers": 1.5}, "num_workers"),
+        ({"inter_op_threads": 0}, "inter_op_threads"),
+        ({"start_timeout": 0}, "start_timeout"),
+    ],
+)
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LocalCluster(**kwargs)
@@ -171,7 +183,8 @@ def test_talk_to_every_task_through_tensorflow(script):
     # The chief connects with TensorFlow's own runtime, runs an op on every
     # task, then a killed worker gives an error (not a hang) while the others
     # keep answering.
-    proc = script("""
+    proc = script(
+        """
         import tensorflow as tf
         from tfdist_ext.cluster import LocalCluster
         from tfdist_ext.cluster import connect
@@ -183,7 +196,9 @@ def test_talk_to_every_task_through_tensorflow(script):
                         x = tf.constant([1.0, 2.0]) * (i + 1)
                     print(job, i, x.device, x.numpy().tolist(), flush=True)
         print("DONE", flush=True)
-    """, timeout=180)
+    """,
+        timeout=180,
+    )
     out = proc.stdout
     assert "worker 0 /job:worker/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in out
     assert "worker 1 /job:worker/replica:0/task:1/device:CPU:0 [2.0, 4.0]" in out
@@ -213,8 +228,13 @@ def test_no_temp_files_and_quiet_task_output(monkeypatch, tmp_path):
 
 
 def _cli(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "tfdist_ext.cli", *args],
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist_ext.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -223,12 +243,20 @@ def test_help_explains_each_command():
     assert top.returncode == 0
     for command in ("server", "demo"):
         line = next(l for l in top.stdout.splitlines() if l.strip().startswith(command))
-        assert len(line.split()) > 4, line   # the command and what it does
+        assert len(line.split()) > 4, line  # the command and what it does
     assert "SECURITY.md" in top.stdout
     server = _cli("server", "--help")
     assert server.returncode == 0
-    for text in ("TF_CONFIG", '"cluster"', '"task"', "--intra-op-threads",
-                 "--inter-op-threads", "--cpu-devices", "--strategy", "SIGINT"):
+    for text in (
+        "TF_CONFIG",
+        '"cluster"',
+        '"task"',
+        "--intra-op-threads",
+        "--inter-op-threads",
+        "--cpu-devices",
+        "--strategy",
+        "SIGINT",
+    ):
         assert text in server.stdout, text
     assert _cli().returncode == 2 and "commands:" in _cli().stderr
 
@@ -236,12 +264,21 @@ def test_help_explains_each_command():
 @pytest.mark.timeout(120)
 def test_server_is_quiet_warns_and_stops_on_ctrl_c():
     port = free_port()
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=(
-        f'{{"cluster": {{"worker": ["127.0.0.1:{port}"]}}, "task": {{"type": "worker", "index": 0}}}}'
-    ))
-    server = subprocess.Popen([sys.executable, "-m", "tfdist_ext.cli", "server"], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              stdin=subprocess.DEVNULL)
+    env = dict(
+        os.environ,
+        TF_CPP_MIN_LOG_LEVEL="2",
+        TF_CONFIG=(
+            f'{{"cluster": {{"worker": ["127.0.0.1:{port}"]}}, "task": {{"type": "worker", "index": 0}}}}'
+        ),
+    )
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tfdist_ext.cli", "server"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
     try:
         line = server.stdout.readline()
         assert line.startswith(f"READY worker:0 127.0.0.1:{port}"), line

@@ -42,10 +42,10 @@ def test_no_compression_is_exact_and_dense():
 
 @pytest.mark.parametrize("cls,dtype,rtol", [(C.FP16, np.float16, 1e-3), (C.BF16, "bf16", 1e-2)])
 def test_half_precision_halves_the_bytes(cls, dtype, rtol):
-    g = _grad((7, 11))   # odd size: padded to whole int32 words
+    g = _grad((7, 11))  # odd size: padded to whole int32 words
     wire, _ = _compress(cls(), g)
     assert _dtypes(wire) == {tf.int32}
-    assert int(cls().wire_bytes(wire)) == 4 * 39   # ceil(77 / 2) words
+    assert int(cls().wire_bytes(wire)) == 4 * 39  # ceil(77 / 2) words
     out = cls().decompress(wire, g.shape)
     if dtype == np.float16:
         np.testing.assert_array_equal(out, g.numpy().astype(np.float16).astype(np.float32))
@@ -89,7 +89,7 @@ def test_randomk_sends_only_values_and_a_seed():
     nz = np.flatnonzero(out)
     assert len(nz) == 50
     np.testing.assert_array_equal(out[nz], g.numpy().ravel()[nz])
-    other, _ = _compress(c, g, step=8)   # another step, other indices
+    other, _ = _compress(c, g, step=8)  # another step, other indices
     assert not np.array_equal(np.flatnonzero(c.decompress(other, g.shape).numpy().ravel()), nz)
 
 
@@ -125,7 +125,7 @@ def test_terngrad_is_ternary_and_unbiased():
     for step in range(400):
         wire, _ = _compress(c, g, step=step)
         outs.append(c.decompress(wire, g.shape).numpy())
-    assert int(c.wire_bytes(wire)) == 4 * (1 + 4)   # scale + 64 two-bit codes
+    assert int(c.wire_bytes(wire)) == 4 * (1 + 4)  # scale + 64 two-bit codes
     s = np.abs(g.numpy()).max()
     assert set(np.unique(np.round(np.stack(outs) / s, 5))) <= {-1.0, 0.0, 1.0}
     np.testing.assert_allclose(np.mean(outs, 0), g.numpy(), atol=0.3)
@@ -142,9 +142,16 @@ def test_signsgd_majority_vote():
     np.testing.assert_array_equal(c.aggregate(wires, (4,)), [1, 1, -1, -1])
 
 
-@pytest.mark.parametrize("make", [
-    lambda: C.ErrorFeedback(C.TopK(0.05)), lambda: C.OneBit(), lambda: C.EFSignSGD(),
-    lambda: C.ErrorFeedback(C.RandomK(0.1)), lambda: C.PowerSGD(rank=1)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: C.ErrorFeedback(C.TopK(0.05)),
+        lambda: C.OneBit(),
+        lambda: C.EFSignSGD(),
+        lambda: C.ErrorFeedback(C.RandomK(0.1)),
+        lambda: C.PowerSGD(rank=1),
+    ],
+)
 def test_error_feedback_loses_nothing(make):
     """sum(sent) + residual == sum(gradients), whatever was dropped."""
     c = make()
@@ -221,18 +228,20 @@ def test_dgc_matches_the_paper_algorithm():
 def test_dgc_exponential_warmup():
     c = C.DGC(sparsity=0.999, warmup_epochs=4, steps_per_epoch=10)
     densities = [float(c.density(step)) for step in (0, 9, 10, 20, 30, 40, 1000)]
-    np.testing.assert_allclose(densities, [0.25, 0.25, 0.0625, 0.015625, 0.00390625,
-                                           0.001, 0.001], rtol=1e-5)
+    np.testing.assert_allclose(
+        densities, [0.25, 0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001], rtol=1e-5
+    )
 
 
 def test_dgc_warmup_follows_the_epoch_it_is_given():
-    c = C.DGC(sparsity=0.999)   # the defaults: 4 warm-up epochs, no steps_per_epoch
+    c = C.DGC(sparsity=0.999)  # the defaults: 4 warm-up epochs, no steps_per_epoch
     assert c.follows_epochs and c.applies_momentum
     densities = [float(c.density(step=7, epoch=e)) for e in range(6)]
-    np.testing.assert_allclose(densities, [0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        densities, [0.25, 0.0625, 0.015625, 0.00390625, 0.001, 0.001], rtol=1e-5
+    )
     wire, _ = c.compress(tf.range(100.0), c.init((100,)), step=0, epoch=1)
-    assert wire["values"].shape == [7]   # ceil(0.0625 * 100)
+    assert wire["values"].shape == [7]  # ceil(0.0625 * 100)
     # Without fit to say where epochs end, it says what to pass instead.
     with pytest.raises(ValueError, match=r"warmup_epochs=4.*DGC\(steps_per_epoch=\.\.\.\)"):
         c.compress(tf.range(100.0), c.init((100,)), step=0)
@@ -262,33 +271,49 @@ def test_compressors_work_inside_tf_function():
     assert int(tf.math.count_nonzero(out)) == 10
 
 
-@pytest.mark.parametrize("make,message", [
-    (lambda: C.TopK(0.0), "ratio must be a number in \\(0, 1\\]"),
-    (lambda: C.TopK(1.5), "ratio"),
-    (lambda: C.RandomK(-0.1), "ratio"),
-    (lambda: C.QSGD(levels=0), "levels must be an integer >= 1"),
-    (lambda: C.PowerSGD(rank=0), "rank"),
-    (lambda: C.Threshold(0), "tau"),
-    (lambda: C.DGC(sparsity=1.0, warmup_epochs=0), "sparsity"),
-    (lambda: C.DGC(momentum=1.2, warmup_epochs=0), "momentum"),
-    (lambda: C.ErrorFeedback("topk"), "must be a tfdist_ext.compression.Compressor"),
-    (lambda: C.get("zip"), "unknown compressor"),
-    (lambda: C.TopK(0.1).init((3,), tf.int32), "unsupported gradient dtype int32"),
-    (lambda: C.DGC(warmup_epochs=0, min_size=-1), "min_size must be an integer >= 0"),
-    (lambda: C.ErrorFeedback(C.TopK(0.1), min_size=1.5), "min_size must be an integer"),
-    (lambda: C.OneBit(min_size="big"), "min_size"),
-    (lambda: C.CompressedMirroredStrategy(["/cpu:0"], compression=42), "compression must be"),
-])
+@pytest.mark.parametrize(
+    "make,message",
+    [
+        (lambda: C.TopK(0.0), "ratio must be a number in \\(0, 1\\]"),
+        (lambda: C.TopK(1.5), "ratio"),
+        (lambda: C.RandomK(-0.1), "ratio"),
+        (lambda: C.QSGD(levels=0), "levels must be an integer >= 1"),
+        (lambda: C.PowerSGD(rank=0), "rank"),
+        (lambda: C.Threshold(0), "tau"),
+        (lambda: C.DGC(sparsity=1.0, warmup_epochs=0), "sparsity"),
+        (lambda: C.DGC(momentum=1.2, warmup_epochs=0), "momentum"),
+        (lambda: C.ErrorFeedback("topk"), "must be a tfdist_ext.compression.Compressor"),
+        (lambda: C.get("zip"), "unknown compressor"),
+        (lambda: C.TopK(0.1).init((3,), tf.int32), "unsupported gradient dtype int32"),
+        (lambda: C.DGC(warmup_epochs=0, min_size=-1), "min_size must be an integer >= 0"),
+        (lambda: C.ErrorFeedback(C.TopK(0.1), min_size=1.5), "min_size must be an integer"),
+        (lambda: C.OneBit(min_size="big"), "min_size"),
+        (lambda: C.CompressedMirroredStrategy(["/cpu:0"], compression=42), "compression must be"),
+    ],
+)
 def test_bad_configuration_raises_value_error(make, message):
     with pytest.raises(ValueError, match=message):
         make()
 
 
-@pytest.mark.parametrize("c", [
-    C.TopK(0.02), C.RandomK(0.1, seed=4), C.QSGD(8), C.DGC(warmup_epochs=2, steps_per_epoch=5),
-    C.ErrorFeedback(C.TopK(0.3)), C.PowerSGD(4), C.OneBit(), C.EFSignSGD(), C.FP16(),
-    C.ErrorFeedback(C.RandomK(0.1), min_size=64), C.OneBit(min_size=8),
-    C.EFSignSGD(min_size=8), C.DGC(warmup_epochs=0, min_size=1024)])
+@pytest.mark.parametrize(
+    "c",
+    [
+        C.TopK(0.02),
+        C.RandomK(0.1, seed=4),
+        C.QSGD(8),
+        C.DGC(warmup_epochs=2, steps_per_epoch=5),
+        C.ErrorFeedback(C.TopK(0.3)),
+        C.PowerSGD(4),
+        C.OneBit(),
+        C.EFSignSGD(),
+        C.FP16(),
+        C.ErrorFeedback(C.RandomK(0.1), min_size=64),
+        C.OneBit(min_size=8),
+        C.EFSignSGD(min_size=8),
+        C.DGC(warmup_epochs=0, min_size=1024),
+    ],
+)
 def test_config_roundtrip(c):
     import keras
 
@@ -302,13 +327,18 @@ def test_get_by_name():
     assert C.get("qsgd", levels=2).levels == 2
 
 
-@pytest.mark.parametrize("make", [
-    lambda: C.ErrorFeedback(C.TopK(0.1), min_size=50), lambda: C.OneBit(min_size=50),
-    lambda: C.EFSignSGD(min_size=50),
-    lambda: C.DGC(sparsity=0.9, warmup_epochs=0, min_size=50, momentum_correction=False)])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: C.ErrorFeedback(C.TopK(0.1), min_size=50),
+        lambda: C.OneBit(min_size=50),
+        lambda: C.EFSignSGD(min_size=50),
+        lambda: C.DGC(sparsity=0.9, warmup_epochs=0, min_size=50, momentum_correction=False),
+    ],
+)
 def test_min_size_sends_small_tensors_dense_and_compresses_the_rest(make):
     c = make()
-    small, large = _grad((7, 7), seed=1), _grad((10, 10), seed=2)   # 49 < 50 <= 100
+    small, large = _grad((7, 7), seed=1), _grad((10, 10), seed=2)  # 49 < 50 <= 100
     wire, state = _compress(c, small)
     assert list(wire) == ["values"] and int(c.wire_bytes(wire)) == 4 * 49
     np.testing.assert_array_equal(c.decompress(wire, small.shape), small)

@@ -16,7 +16,7 @@ from tfdist_ext.cluster import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-WORKER = textwrap.dedent('''
+WORKER = textwrap.dedent("""
     import json, os, sys
     import numpy as np, tensorflow as tf, keras
     from tfdist_ext import compression as C, datasets
@@ -43,7 +43,7 @@ WORKER = textwrap.dedent('''
         "ratio": history.history["compression_ratio"],
         "stats": strategy.compression_stats(),
     }), flush=True)
-''')
+""")
 
 
 def run_workers(tmp_path, name, kwargs, num_workers=2, timeout=180):
@@ -52,20 +52,29 @@ def run_workers(tmp_path, name, kwargs, num_workers=2, timeout=180):
     cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]}
     procs = []
     for index in range(num_workers):
-        env = dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2",
-                   TF_CONFIG=json.dumps({"cluster": cluster,
-                                         "task": {"type": "worker", "index": index}}))
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), name, json.dumps(kwargs)], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            stdin=subprocess.DEVNULL))
+        env = dict(
+            os.environ,
+            PYTHONPATH=REPO,
+            TF_CPP_MIN_LOG_LEVEL="2",
+            TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script), name, json.dumps(kwargs)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
+        )
     results = []
     try:
         for p in procs:
             out, err = p.communicate(timeout=timeout)
             assert p.returncode == 0, f"worker exited {p.returncode}:\n{err[-4000:]}"
             line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
-            results.append(json.loads(line[len("RESULT "):]))
+            results.append(json.loads(line[len("RESULT ") :]))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -76,7 +85,7 @@ def run_workers(tmp_path, name, kwargs, num_workers=2, timeout=180):
 
 def check_workers(results, min_ratio):
     first = results[0]
-    for other in results[1:]:   # replicas stayed in sync through the compressed exchange
+    for other in results[1:]:  # replicas stayed in sync through the compressed exchange
         for a, b in zip(first["weights"], other["weights"]):
             assert a == pytest.approx(b, abs=1e-6)
     assert first["loss"][-1] < first["loss"][0]
@@ -94,13 +103,16 @@ def test_two_worker_processes_topk_error_feedback(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name,kwargs,min_ratio", [
-    ("dgc", {"sparsity": 0.99, "warmup_epochs": 1, "steps_per_epoch": 4}, 3.0),
-    ("dgc", {"sparsity": 0.99}, 1.5),   # the defaults: the warm-up follows fit's epochs
-    ("onebit", {}, 20.0),
-    ("qsgd", {"levels": 4}, 5.0),
-    ("powersgd", {"rank": 2}, 3.0),
-    ("fp16", {}, 2.0),
-])
+@pytest.mark.parametrize(
+    "name,kwargs,min_ratio",
+    [
+        ("dgc", {"sparsity": 0.99, "warmup_epochs": 1, "steps_per_epoch": 4}, 3.0),
+        ("dgc", {"sparsity": 0.99}, 1.5),  # the defaults: the warm-up follows fit's epochs
+        ("onebit", {}, 20.0),
+        ("qsgd", {"levels": 4}, 5.0),
+        ("powersgd", {"rank": 2}, 3.0),
+        ("fp16", {}, 2.0),
+    ],
+)
 def test_two_worker_processes_other_families(tmp_path, name, kwargs, min_ratio):
     check_workers(run_workers(tmp_path, name, kwargs), min_ratio)

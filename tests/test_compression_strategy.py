@@ -14,8 +14,10 @@ from tfdist_ext.callbacks._compression import CompressionLogger
 
 pytestmark = pytest.mark.timeout(180)
 
-G = np.array([[4.0, -1.0, 0.5, -3.0, 0.1, 2.0, 0.0, -0.2],
-              [0.3, 5.0, -0.4, 1.0, -6.0, 0.2, 0.1, 0.0]], np.float32)
+G = np.array(
+    [[4.0, -1.0, 0.5, -3.0, 0.1, 2.0, 0.0, -0.2], [0.3, 5.0, -0.4, 1.0, -6.0, 0.2, 0.1, 0.0]],
+    np.float32,
+)
 
 
 def _strategy(devices, compression):
@@ -25,8 +27,8 @@ def _strategy(devices, compression):
     # item 3 of issue 12 (end of file) and test_sparse_wires_are_gathered_and_summed
     # use the default collectives.
     return C.CompressedMirroredStrategy(
-        devices, cross_device_ops=tf.distribute.ReductionToOneDevice(),
-        compression=compression)
+        devices, cross_device_ops=tf.distribute.ReductionToOneDevice(), compression=compression
+    )
 
 
 def _apply_per_replica_grads(strategy, grads_per_replica, steps=1):
@@ -35,7 +37,8 @@ def _apply_per_replica_grads(strategy, grads_per_replica, steps=1):
         opt = keras.optimizers.SGD(1.0)
         opt.build([var])
     values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.constant(grads_per_replica[ctx.replica_id_in_sync_group]))
+        lambda ctx: tf.constant(grads_per_replica[ctx.replica_id_in_sync_group])
+    )
 
     @tf.function
     def train(g):
@@ -57,7 +60,7 @@ def test_sparse_wires_are_gathered_and_summed(cpu_devices):
     strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=C.TopK(0.25))
     weights = _apply_per_replica_grads(strategy, G)
     expected = -(_topk(G[0], 2) + _topk(G[1], 2))
-    for w in weights:   # every replica applies the same sum
+    for w in weights:  # every replica applies the same sum
         np.testing.assert_allclose(w, expected)
     stats = strategy.compression_stats()
     # Each replica sent 2 float32 values + 2 int32 indices; dense is 8 float32.
@@ -72,8 +75,7 @@ def test_error_feedback_state_is_per_replica(cpu_devices):
     state = strategy.compression_state
     assert state.slot_names() == ["r0_g0_s0", "r1_g0_s0"]
     for r in range(2):
-        np.testing.assert_allclose(getattr(state, f"r{r}_g0_s0").numpy(),
-                                   G[r] - _topk(G[r], 2))
+        np.testing.assert_allclose(getattr(state, f"r{r}_g0_s0").numpy(), G[r] - _topk(G[r], 2))
     # Later steps with zero gradients drain the residuals: nothing is lost.
     strategy2 = _strategy(cpu_devices[:2], C.ErrorFeedback(C.TopK(0.25)))
     with strategy2.scope():
@@ -86,17 +88,27 @@ def test_error_feedback_state_is_per_replica(cpu_devices):
         strategy2.run(lambda g: opt.apply([g], [var]), args=(g,))
 
     for grads in (G, zero, zero, zero):
-        train(strategy2.experimental_distribute_values_from_function(
-            lambda ctx, grads=grads: tf.constant(grads[ctx.replica_id_in_sync_group])))
+        train(
+            strategy2.experimental_distribute_values_from_function(
+                lambda ctx, grads=grads: tf.constant(grads[ctx.replica_id_in_sync_group])
+            )
+        )
     np.testing.assert_allclose(var.numpy(), -(G[0] + G[1]), atol=1e-6)
     strategy.reset_compression_state()
     for r in range(2):
         np.testing.assert_array_equal(getattr(state, f"r{r}_g0_s0").numpy(), 0.0)
 
 
-@pytest.mark.parametrize("make,ratio", [
-    (lambda: C.FP16(), 2.0), (lambda: C.SignSGD(), 8 * 4 / 4), (lambda: C.QSGD(2), None),
-    (lambda: C.PowerSGD(1), None), (lambda: C.Threshold(1.0), None)])
+@pytest.mark.parametrize(
+    "make,ratio",
+    [
+        (lambda: C.FP16(), 2.0),
+        (lambda: C.SignSGD(), 8 * 4 / 4),
+        (lambda: C.QSGD(2), None),
+        (lambda: C.PowerSGD(1), None),
+        (lambda: C.Threshold(1.0), None),
+    ],
+)
 def test_every_family_runs_under_the_strategy(cpu_devices, make, ratio):
     strategy = _strategy(cpu_devices[:2], make())
     weights = _apply_per_replica_grads(strategy, G, steps=2)
@@ -111,16 +123,19 @@ def test_every_family_runs_under_the_strategy(cpu_devices, make, ratio):
 def test_signsgd_under_strategy_is_majority_vote(cpu_devices):
     strategy = _strategy(cpu_devices[:2], C.SignSGD())
     weights = _apply_per_replica_grads(strategy, G)
-    signs = np.where(G < 0, -1.0, 1.0)   # zero is sent as +1
+    signs = np.where(G < 0, -1.0, 1.0)  # zero is sent as +1
     np.testing.assert_allclose(weights[0], -np.sign(signs[0] + signs[1]))
 
 
 def _model():
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile(keras.optimizers.SGD(0.1),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.1),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
     return model
 
 
@@ -129,16 +144,18 @@ def test_fit_with_dgc_and_the_logger(cpu_devices):
     train = datasets.digits("train", flatten=True).shuffle(2048, seed=0).batch(64)
     x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
     steps = 22
-    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99, momentum=0.9, clip_norm=5.0,
-                                           warmup_epochs=1, steps_per_epoch=steps))
+    strategy = _strategy(
+        cpu_devices[:2],
+        C.DGC(sparsity=0.99, momentum=0.9, clip_norm=5.0, warmup_epochs=1, steps_per_epoch=steps),
+    )
     with strategy.scope():
         model = _model()
     logger = CompressionLogger()
     history = model.fit(train, epochs=6, verbose=0, callbacks=[logger])
-    assert model.evaluate(x_test, y_test, verbose=0)[1] > 0.7   # chance: 0.1
+    assert model.evaluate(x_test, y_test, verbose=0)[1] > 0.7  # chance: 0.1
     ratios = history.history["compression_ratio"]
     assert len(ratios) == 6 and len(logger.history) == 6
-    assert ratios[-1] > 3 * ratios[0] > 3   # warm-up epoch sends 25%, later 1%
+    assert ratios[-1] > 3 * ratios[0] > 3  # warm-up epoch sends 25%, later 1%
     assert ratios[-1] > 20
     last = logger.history[-1]
     assert last["wire_bytes"] * ratios[-1] == pytest.approx(last["dense_bytes"])
@@ -150,8 +167,12 @@ def test_fit_with_dgc_and_the_logger(cpu_devices):
 def test_logger_refuses_a_plain_strategy():
     model = _model()
     with pytest.raises(ValueError, match="needs a CompressedMirroredStrategy"):
-        model.fit(np.zeros((4, 64), np.float32), np.zeros(4, np.int32), verbose=0,
-                  callbacks=[CompressionLogger()])
+        model.fit(
+            np.zeros((4, 64), np.float32),
+            np.zeros(4, np.int32),
+            verbose=0,
+            callbacks=[CompressionLogger()],
+        )
 
 
 def _fit_batches(model, x, y):
@@ -177,8 +198,9 @@ def test_residuals_survive_a_checkpoint_round_trip(cpu_devices, tmp_path):
     first_strategy = make()
     first = build(first_strategy)
     _fit_batches(first, x[:64], y[:64])
-    ckpt = tf.train.Checkpoint(model=first, optimizer=first.optimizer,
-                               compression=first_strategy.compression_state)
+    ckpt = tf.train.Checkpoint(
+        model=first, optimizer=first.optimizer, compression=first_strategy.compression_state
+    )
     path = ckpt.save(str(tmp_path / "ckpt"))
 
     results = {}
@@ -195,8 +217,9 @@ def test_residuals_survive_a_checkpoint_round_trip(cpu_devices, tmp_path):
     for a, b in zip(straight.get_weights(), results[True]):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
     # Control: forgetting the residuals changes the outcome.
-    assert any(not np.allclose(a, b, atol=1e-6)
-               for a, b in zip(straight.get_weights(), results[False]))
+    assert any(
+        not np.allclose(a, b, atol=1e-6) for a, b in zip(straight.get_weights(), results[False])
+    )
 
 
 class _Interrupt(keras.callbacks.Callback):
@@ -238,8 +261,10 @@ def test_backup_and_restore_resumes_with_the_residuals(cpu_devices, tmp_path):
     plain = build()
     fit(plain, [keras.callbacks.BackupAndRestore(backup + "_copy")])
     assert plain.optimizer.iterations.numpy() == 4 * 4
-    assert any(not np.allclose(a, b, atol=1e-6)
-               for a, b in zip(straight.get_weights(), plain.get_weights()))
+    assert any(
+        not np.allclose(a, b, atol=1e-6)
+        for a, b in zip(straight.get_weights(), plain.get_weights())
+    )
 
 
 def test_only_the_wire_form_is_exchanged(cpu_devices):
@@ -249,8 +274,7 @@ def test_only_the_wire_form_is_exchanged(cpu_devices):
         var = keras.Variable(np.zeros((100, 50), np.float32))
         opt = keras.optimizers.SGD(1.0)
         opt.build([var])
-    values = strategy.experimental_distribute_values_from_function(
-        lambda ctx: tf.ones((100, 50)))
+    values = strategy.experimental_distribute_values_from_function(lambda ctx: tf.ones((100, 50)))
 
     @tf.function
     def train(g):
@@ -258,18 +282,22 @@ def test_only_the_wire_form_is_exchanged(cpu_devices):
 
     ops = train.get_concrete_function(values).graph.get_operations()
     kinds = {op.type for op in ops}
-    assert "CollectiveGatherV2" in kinds   # float32 values: collective all-gather
+    assert "CollectiveGatherV2" in kinds  # float32 values: collective all-gather
     assert not any("Reduce" in k and "Collective" in k for k in kinds)
     assert not any(k.startswith("Nccl") for k in kinds)
-    gathered = [op.inputs[0] for op in ops if op.type == "CollectiveGatherV2"
-                and op.inputs[0].dtype == tf.float32]
+    gathered = [
+        op.inputs[0]
+        for op in ops
+        if op.type == "CollectiveGatherV2" and op.inputs[0].dtype == tf.float32
+    ]
     # One gather per replica, each of the 50 selected values (not 5000).
     assert len(gathered) == 2
     assert all(t.shape.num_elements() in (None, 50) for t in gathered)
 
 
-@pytest.mark.parametrize("make", [lambda: C.TopK(0.01), lambda: C.PowerSGD(2)],
-                         ids=["gather", "rounds"])
+@pytest.mark.parametrize(
+    "make", [lambda: C.TopK(0.01), lambda: C.PowerSGD(2)], ids=["gather", "rounds"]
+)
 def test_compression_clock_starts_after_the_gradients(cpu_devices, make):
     """The logged compression time starts once the gradients exist, not at step start."""
     strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=make())
@@ -283,6 +311,7 @@ def test_compression_clock_starts_after_the_gradients(cpu_devices, make):
         def step(x):
             grad = tf.identity(tf.matmul(x, x, transpose_a=True)[:, :50], name="the_gradient")
             opt.apply([grad], [var])
+
         strategy.run(step, args=(x,))
 
     graph = train.get_concrete_function(tf.TensorSpec((8, 100))).graph
@@ -328,6 +357,7 @@ def _np_randomk(compressor):
         out = np.zeros_like(v)
         out[idx] = v[idx]
         return out
+
     return apply
 
 
@@ -344,12 +374,14 @@ def _np_onebit(v):
 
 def _np_ef(compress, min_size=0):
     """Error feedback around ``compress(v, step)``; returns ``(init, send)``."""
+
     def send(g, state, step):
         if g.size < min_size:
             return g, state
         p = g + state
         sent = compress(p, step)
         return sent, p - sent
+
     return (lambda n: np.zeros(n)), send
 
 
@@ -363,6 +395,7 @@ def _np_dgc(k_of, momentum=0.9, min_size=0):
         sent = _np_topk(v, k_of(g.size))
         mask = sent != 0
         return sent, (np.where(mask, 0.0, u), np.where(mask, 0.0, v))
+
     return (lambda n: (np.zeros(n), np.zeros(n))), send
 
 
@@ -372,17 +405,17 @@ def _np_train(x, y, init, send, steps, lr, momentum):
     buf = [np.zeros(D), np.zeros(1)]
     states = [[init(D), init(1)] for _ in range(R)]
     for step in range(steps):
-        xb = x[step * B * R:(step + 1) * B * R].astype(np.float64)
-        yb = y[step * B * R:(step + 1) * B * R, 0].astype(np.float64)
+        xb = x[step * B * R : (step + 1) * B * R].astype(np.float64)
+        yb = y[step * B * R : (step + 1) * B * R, 0].astype(np.float64)
         total = [np.zeros(D), np.zeros(1)]
         for r in range(R):
-            xr, yr = xb[r * B:(r + 1) * B], yb[r * B:(r + 1) * B]
+            xr, yr = xb[r * B : (r + 1) * B], yb[r * B : (r + 1) * B]
             err = xr @ params[0] + params[1][0] - yr
             grads = [(2.0 / (R * B)) * xr.T @ err, np.array([(2.0 / (R * B)) * err.sum()])]
             for j, g in enumerate(grads):
                 sent, states[r][j] = send(g, states[r][j], step)
                 total[j] = total[j] + sent
-        for j in range(2):   # Keras SGD: m = momentum * m - lr * g; w += m
+        for j in range(2):  # Keras SGD: m = momentum * m - lr * g; w += m
             buf[j] = momentum * buf[j] - lr * total[j]
             params[j] = params[j] + buf[j]
     return params
@@ -391,52 +424,87 @@ def _np_train(x, y, init, send, steps, lr, momentum):
 def _fit_ls(cpu_devices, compressor, x, y, lr, momentum, steps_per_call, calls):
     strategy = _strategy(cpu_devices[:R], compressor)
     with strategy.scope():
-        model = keras.Sequential([keras.Input((D,)), keras.layers.Dense(
-            1, kernel_initializer="zeros", bias_initializer="zeros")])
-        model.compile(keras.optimizers.SGD(lr, momentum=momentum), "mse",
-                      steps_per_execution=steps_per_call)
+        model = keras.Sequential(
+            [
+                keras.Input((D,)),
+                keras.layers.Dense(1, kernel_initializer="zeros", bias_initializer="zeros"),
+            ]
+        )
+        model.compile(
+            keras.optimizers.SGD(lr, momentum=momentum), "mse", steps_per_execution=steps_per_call
+        )
     per_call = steps_per_call * B * R
-    for c in range(calls):   # several fit calls: the state persists across them
+    for c in range(calls):  # several fit calls: the state persists across them
         part = slice(c * per_call, (c + 1) * per_call)
-        model.fit(tf.data.Dataset.from_tensor_slices((x[part], y[part])).batch(B * R),
-                  epochs=1, verbose=0)
+        model.fit(
+            tf.data.Dataset.from_tensor_slices((x[part], y[part])).batch(B * R), epochs=1, verbose=0
+        )
     kernel, bias = model.get_weights()
     return strategy, kernel[:, 0], bias
 
 
-_K = 0.25   # top-k / random-k ratio: 4 of the 16 kernel entries, the whole bias
+_K = 0.25  # top-k / random-k ratio: 4 of the 16 kernel entries, the whole bias
 
 
-@pytest.mark.parametrize("name,make,reference,momentum", [
-    ("ef-topk", lambda: C.ErrorFeedback(C.TopK(_K)),
-     lambda c: _np_ef(lambda v, s: _np_topk(v, int(np.ceil(_K * v.size)))), 0.9),
-    ("ef-topk min_size", lambda: C.ErrorFeedback(C.TopK(_K), min_size=2),
-     lambda c: _np_ef(lambda v, s: _np_topk(v, int(np.ceil(_K * v.size))), min_size=2), 0.9),
-    ("ef-randomk", lambda: C.ErrorFeedback(C.RandomK(_K, seed=3)),
-     lambda c: _np_ef(_np_randomk(c.compressor)), 0.9),
-    ("ef-signsgd", lambda: C.EFSignSGD(),
-     lambda c: _np_ef(lambda v, s: _np_scaled_sign(v)), 0.9),
-    ("onebit", lambda: C.OneBit(), lambda c: _np_ef(lambda v, s: _np_onebit(v)), 0.9),
-    ("dgc", lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0),
-     lambda c: _np_dgc(lambda n: int(np.ceil(_K * n))), 0.0),
-    ("dgc min_size", lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0,
-                                   min_size=2),
-     lambda c: _np_dgc(lambda n: int(np.ceil(_K * n)), min_size=2), 0.0),
-])
-def test_error_feedback_family_matches_a_numpy_reference(cpu_devices, name, make,
-                                                          reference, momentum):
+@pytest.mark.parametrize(
+    "name,make,reference,momentum",
+    [
+        (
+            "ef-topk",
+            lambda: C.ErrorFeedback(C.TopK(_K)),
+            lambda c: _np_ef(lambda v, s: _np_topk(v, int(np.ceil(_K * v.size)))),
+            0.9,
+        ),
+        (
+            "ef-topk min_size",
+            lambda: C.ErrorFeedback(C.TopK(_K), min_size=2),
+            lambda c: _np_ef(lambda v, s: _np_topk(v, int(np.ceil(_K * v.size))), min_size=2),
+            0.9,
+        ),
+        (
+            "ef-randomk",
+            lambda: C.ErrorFeedback(C.RandomK(_K, seed=3)),
+            lambda c: _np_ef(_np_randomk(c.compressor)),
+            0.9,
+        ),
+        (
+            "ef-signsgd",
+            lambda: C.EFSignSGD(),
+            lambda c: _np_ef(lambda v, s: _np_scaled_sign(v)),
+            0.9,
+        ),
+        ("onebit", lambda: C.OneBit(), lambda c: _np_ef(lambda v, s: _np_onebit(v)), 0.9),
+        (
+            "dgc",
+            lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0),
+            lambda c: _np_dgc(lambda n: int(np.ceil(_K * n))),
+            0.0,
+        ),
+        (
+            "dgc min_size",
+            lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0, min_size=2),
+            lambda c: _np_dgc(lambda n: int(np.ceil(_K * n)), min_size=2),
+            0.0,
+        ),
+    ],
+)
+def test_error_feedback_family_matches_a_numpy_reference(
+    cpu_devices, name, make, reference, momentum
+):
     steps_per_call, calls = 3, 2
     x, y, _ = _ls_problem(steps_per_call * calls)
     compressor = make()
-    strategy, kernel, bias = _fit_ls(cpu_devices, compressor, x, y, 0.05, momentum,
-                                     steps_per_call, calls)
+    strategy, kernel, bias = _fit_ls(
+        cpu_devices, compressor, x, y, 0.05, momentum, steps_per_call, calls
+    )
     w, b = _np_train(x, y, *reference(compressor), steps_per_call * calls, 0.05, momentum)
     assert np.abs(w).sum() > 0
     np.testing.assert_allclose(kernel, w, rtol=2e-4, atol=2e-5)
     np.testing.assert_allclose(bias, b, rtol=2e-4, atol=2e-5)
     # Dense reference differs: the compressor did change the trajectory.
-    w_dense, _ = _np_train(x, y, (lambda n: None), lambda g, s, i: (g, s),
-                           steps_per_call * calls, 0.05, momentum)
+    w_dense, _ = _np_train(
+        x, y, (lambda n: None), lambda g, s, i: (g, s), steps_per_call * calls, 0.05, momentum
+    )
     assert not np.allclose(w, w_dense, atol=1e-3)
     if name in ("ef-topk", "ef-topk min_size", "dgc", "dgc min_size"):
         # Per replica and step: 4 kernel values + 4 indices (32 bytes), and the
@@ -446,15 +514,19 @@ def test_error_feedback_family_matches_a_numpy_reference(cpu_devices, name, make
         assert stats["wire_bytes"] == R * steps_per_call * calls * per_step
 
 
-@pytest.mark.parametrize("make,momentum,lr", [
-    (lambda: C.ErrorFeedback(C.TopK(_K)), 0.9, 0.02),
-    (lambda: C.ErrorFeedback(C.RandomK(_K)), 0.0, 0.1),
-    (lambda: C.EFSignSGD(), 0.9, 0.02),
-    (lambda: C.OneBit(), 0.9, 0.02),
-    (lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0), 0.0, 0.1),
-])
-def test_error_feedback_family_converges_to_the_least_squares_optimum(cpu_devices, make,
-                                                                       momentum, lr):
+@pytest.mark.parametrize(
+    "make,momentum,lr",
+    [
+        (lambda: C.ErrorFeedback(C.TopK(_K)), 0.9, 0.02),
+        (lambda: C.ErrorFeedback(C.RandomK(_K)), 0.0, 0.1),
+        (lambda: C.EFSignSGD(), 0.9, 0.02),
+        (lambda: C.OneBit(), 0.9, 0.02),
+        (lambda: C.DGC(sparsity=1 - _K, momentum=0.9, warmup_epochs=0), 0.0, 0.1),
+    ],
+)
+def test_error_feedback_family_converges_to_the_least_squares_optimum(
+    cpu_devices, make, momentum, lr
+):
     # A consistent, over-determined problem (32 samples, 17 unknowns, y = X w* +
     # 0.5) cycled in 4 batches: the optimum has zero gradient on every sample,
     # so error feedback must reach it with a constant step.
@@ -476,7 +548,7 @@ def test_unsupported_variable_dtype_is_refused_when_the_optimizer_is_built(cpu_d
         with pytest.raises(ValueError, match="'counts'.*dtype int32.*unsupported gradient"):
             opt.build([ok, bad])
         opt2 = keras.optimizers.SGD(0.1)
-        opt2.build([ok])   # float variables build as usual
+        opt2.build([ok])  # float variables build as usual
     assert opt2.built
     # A plain strategy's optimizer is not checked.
     with tf.distribute.MirroredStrategy(cpu_devices[:1]).scope():
@@ -486,8 +558,9 @@ def test_unsupported_variable_dtype_is_refused_when_the_optimizer_is_built(cpu_d
 def test_fit_refuses_an_unsupported_variable_dtype_before_the_first_step(cpu_devices):
     class IntegerWeight(keras.layers.Layer):
         def build(self, shape):
-            self.w = self.add_weight(shape=(shape[-1],), dtype="int32", trainable=True,
-                                     initializer="zeros")
+            self.w = self.add_weight(
+                shape=(shape[-1],), dtype="int32", trainable=True, initializer="zeros"
+            )
 
         def call(self, x):
             return x * tf.cast(self.w, x.dtype)
@@ -503,11 +576,14 @@ def test_fit_refuses_an_unsupported_variable_dtype_before_the_first_step(cpu_dev
 
 # -- several strategies, one after another, in one process (issue 12, item 3) --
 
+
 def _digits_model(width):
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(width, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile(keras.optimizers.SGD(0.05),
-                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(10)]
+    )
+    model.compile(
+        keras.optimizers.SGD(0.05), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -558,6 +634,7 @@ def test_dense_mirrored_baseline_then_a_dgc_run(cpu_devices):
 
 # -- DGC with its defaults in fit, and the optimizer's momentum (issue 12, item 4) --
 
+
 def test_dgc_defaults_warm_up_over_fits_epochs(cpu_devices):
     # DGC() has 4 warm-up epochs and no steps_per_epoch: fit says where
     # epochs end (density 25%, 6.25%, 1.6%, 0.4%, then 1 - sparsity).
@@ -583,37 +660,51 @@ def test_dgc_warmup_outside_fit_says_to_give_steps_per_epoch(cpu_devices):
     # With steps_per_epoch the same custom loop runs.
     strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.9, steps_per_epoch=10))
     weights = _apply_per_replica_grads(strategy, G)
-    assert np.count_nonzero(weights[0]) == 2 * 2   # 25% of 8 entries from each replica
+    assert np.count_nonzero(weights[0]) == 2 * 2  # 25% of 8 entries from each replica
 
 
-@pytest.mark.parametrize("optimizer", [
-    lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
-    lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
-    lambda: keras.optimizers.Adam(0.01),
-], ids=["sgd-momentum", "nesterov", "rmsprop-momentum", "adam"])
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+        lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+        lambda: keras.optimizers.Adam(0.01),
+    ],
+    ids=["sgd-momentum", "nesterov", "rmsprop-momentum", "adam"],
+)
 def test_dgc_momentum_correction_refuses_an_optimizer_with_momentum(cpu_devices, optimizer):
     x, y = _digits(128)
     strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99, warmup_epochs=0))
     with strategy.scope():
         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
         model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    with pytest.raises(ValueError, match=r"apply momentum a second time.*SGD\(learning_rate\)"
-                                         r".*momentum_correction=False"):
+    with pytest.raises(
+        ValueError,
+        match=r"apply momentum a second time.*SGD\(learning_rate\)"
+        r".*momentum_correction=False",
+    ):
         model.fit(x, y, batch_size=64, epochs=1, verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
-@pytest.mark.parametrize("compressor,optimizer", [
-    (lambda: C.DGC(sparsity=0.99, warmup_epochs=0), lambda: keras.optimizers.SGD(0.1)),
-    (lambda: C.DGC(sparsity=0.99, warmup_epochs=0, momentum_correction=False),
-     lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
-    (lambda: C.DGC(sparsity=0.99, warmup_epochs=0, momentum=0.0),
-     lambda: keras.optimizers.Adam(0.01)),
-    (lambda: C.EFSignSGD(), lambda: keras.optimizers.SGD(0.01, momentum=0.9)),
-    (lambda: C.PowerSGD(1), lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
-], ids=["dgc-sgd", "gradient-dropping-momentum", "dgc-no-momentum-adam", "efsignsgd",
-        "powersgd"])
+@pytest.mark.parametrize(
+    "compressor,optimizer",
+    [
+        (lambda: C.DGC(sparsity=0.99, warmup_epochs=0), lambda: keras.optimizers.SGD(0.1)),
+        (
+            lambda: C.DGC(sparsity=0.99, warmup_epochs=0, momentum_correction=False),
+            lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        ),
+        (
+            lambda: C.DGC(sparsity=0.99, warmup_epochs=0, momentum=0.0),
+            lambda: keras.optimizers.Adam(0.01),
+        ),
+        (lambda: C.EFSignSGD(), lambda: keras.optimizers.SGD(0.01, momentum=0.9)),
+        (lambda: C.PowerSGD(1), lambda: keras.optimizers.SGD(0.1, momentum=0.9)),
+    ],
+    ids=["dgc-sgd", "gradient-dropping-momentum", "dgc-no-momentum-adam", "efsignsgd", "powersgd"],
+)
 def test_one_momentum_trains(cpu_devices, compressor, optimizer):
     # Compressors without momentum of their own leave it to the optimizer.
     x, y = _digits(128)
@@ -635,19 +726,26 @@ def test_dgc_trains_under_mixed_precision(cpu_devices, policy):
     try:
         strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99))
         with strategy.scope():
-            model = keras.Sequential([
-                keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                keras.layers.Dense(10), keras.layers.Activation("linear", dtype="float32")])
-            model.compile(keras.optimizers.SGD(0.1),
-                          keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+            model = keras.Sequential(
+                [
+                    keras.Input((64,)),
+                    keras.layers.Dense(32, activation="relu"),
+                    keras.layers.Dense(10),
+                    keras.layers.Activation("linear", dtype="float32"),
+                ]
+            )
+            model.compile(
+                keras.optimizers.SGD(0.1),
+                keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
         history = model.fit(x, y, batch_size=64, epochs=6, verbose=0)
         assert history.history["loss"][-1] < 0.5 * history.history["loss"][0]
         assert history.history["accuracy"][-1] > 0.6
         assert strategy.compression_stats()["ratio"] > 2
         for name in strategy.compression_state.slot_names():
             assert np.isfinite(getattr(strategy.compression_state, name).numpy()).all()
-        with strategy.scope():   # the momentum check sees through the loss scaling
+        with strategy.scope():  # the momentum check sees through the loss scaling
             model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
         with pytest.raises(ValueError, match="apply momentum a second time"):
             model.fit(x, keras.utils.to_categorical(y, 10), epochs=1, verbose=0)
@@ -661,13 +759,19 @@ def test_batchnorm_moving_statistics_agree_across_replicas_and_survive_save(cpu_
     # model kept replica 0's (predictions differed by ~1e-2 after a reload).
     rng = np.random.RandomState(0)
     x = rng.randn(256, 4).astype("float32")
-    x[128:] += 3.0   # the two replicas see different halves of each batch
+    x[128:] += 3.0  # the two replicas see different halves of each batch
     y = x.sum(axis=1, keepdims=True)
     strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression="ef_topk")
     with strategy.scope():
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8),
-                                  keras.layers.BatchNormalization(), keras.layers.Dropout(0.1),
-                                  keras.layers.Dense(1)])
+        model = keras.Sequential(
+            [
+                keras.Input((4,)),
+                keras.layers.Dense(8),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dropout(0.1),
+                keras.layers.Dense(1),
+            ]
+        )
         model.compile(keras.optimizers.Adam(0.01), "mse")
     model.fit(x, y, batch_size=64, epochs=2, verbose=0, shuffle=False)
     bn = model.layers[1]

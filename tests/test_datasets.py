@@ -52,15 +52,18 @@ def test_synthetic_is_learnable():
     assert (pred == y).mean() > 0.9
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: datasets.digits("validation"), "split must be one of"),
-    (lambda: datasets.digits(test_fraction=1.0), "test_fraction"),
-    (lambda: datasets.mnist1d("dev"), "split must be one of"),
-    (lambda: datasets.synthetic(0), "num_examples"),
-    (lambda: datasets.synthetic(10, num_classes=1), "num_classes"),
-    (lambda: datasets.synthetic(10, input_shape=(0,)), "input_shape"),
-    (lambda: datasets.from_tfds("mnist", data_dir=None), "data_dir"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: datasets.digits("validation"), "split must be one of"),
+        (lambda: datasets.digits(test_fraction=1.0), "test_fraction"),
+        (lambda: datasets.mnist1d("dev"), "split must be one of"),
+        (lambda: datasets.synthetic(0), "num_examples"),
+        (lambda: datasets.synthetic(10, num_classes=1), "num_classes"),
+        (lambda: datasets.synthetic(10, input_shape=(0,)), "input_shape"),
+        (lambda: datasets.from_tfds("mnist", data_dir=None), "data_dir"),
+    ],
+)
 def test_bad_arguments(call, message):
     with pytest.raises(ValueError, match=message):
         call()

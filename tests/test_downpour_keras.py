@@ -51,7 +51,7 @@ def layers(hidden=32):
 def _result(proc):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 OWN_STEP = """
@@ -82,7 +82,10 @@ class OwnStep(keras.Sequential):
 
 @pytest.mark.timeout(300)
 def test_downpour_runs_custom_train_step_on_the_workers(script):
-    proc = script(PRELUDE + OWN_STEP + """
+    proc = script(
+        PRELUDE
+        + OWN_STEP
+        + """
 keras.utils.set_random_seed(0)
 def refusal(model):
     started = time.monotonic()
@@ -109,7 +112,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     report(refusal=fetch_refusal, split_refusal=split_refusal, refused_in=refused_in,
            untouched=untouched, history=h.history, steps=s["steps"], pushes=s["pushes"],
            iterations=int(model.optimizer.iterations.numpy()))
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # n_fetch > 1 cannot hold for a step that reads the server's variables:
     # refused before any round, saying what to do.
@@ -128,7 +133,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
 
 @pytest.mark.timeout(300)
 def test_downpour_runs_compute_loss_override(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_push=2, n_fetch=2)
     with strategy.scope():
@@ -137,7 +144,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     h = own.fit(digits_train(), epochs=3, steps_per_epoch=30, verbose=0)
     report(steps=strategy.stats.summary()["steps"], loss=h.history["loss"],
            compute_loss_calls=OwnLoss.calls)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # The compute_loss override (the only loss; none is compiled) is what
     # Downpour trains.
@@ -147,7 +156,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 @pytest.mark.timeout(300)
 def test_sandblaster_refuses_custom_train_step_and_runs_compute_loss(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 from tfdist_ext.optimizers import LBFGS
 x, y = datasets.digits("train", flatten=True, as_numpy=True)
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -167,7 +178,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     h = own.fit(x, y, epochs=5, verbose=0)
     report(refusal=refusal, step_ran=CountingStep.steps, passes=len(strategy.passes),
            loss=h.history["loss"], compute_loss_calls=OwnLoss.calls)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     assert r["refusal"] is not None, "a custom train_step must not be silently skipped"
     assert "train_step" in r["refusal"] and "CountingStep" in r["refusal"]
@@ -179,7 +192,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 @pytest.mark.timeout(400)
 def test_downpour_mixed_float16_trains_saves_and_loads(script, tmp_path):
     path = str(tmp_path / "mixed.keras")
-    proc = script(PRELUDE + f"""
+    proc = script(
+        PRELUDE
+        + f"""
 keras.mixed_precision.set_global_policy("mixed_float16")
 keras.utils.set_random_seed(0)
 x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
@@ -194,7 +209,7 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     scale = float(model.optimizer.dynamic_scale.numpy())
     logits = model.predict(x_test, verbose=0)
     model.save({path!r})
-    np.save({str(tmp_path / 'x.npy')!r}, x_test[:5])
+    np.save({str(tmp_path / "x.npy")!r}, x_test[:5])
     # A custom train_step (here Keras's own, via super(): scale_loss, then
     # apply_gradients of the LossScaleOptimizer) trains under mixed_float16 too.
     strategy.n_fetch = 1
@@ -209,31 +224,38 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
            compute_dtype=model.layers[0].compute_dtype, scale=scale,
            optimizer=type(model.optimizer).__name__,
            iterations=int(model.optimizer.iterations.numpy()), logits=logits[:5].tolist())
-""", timeout=380)
+""",
+        timeout=380,
+    )
     r = _result(proc)
     assert r["compute_dtype"] == "float16" and r["optimizer"] == "LossScaleOptimizer"
     assert r["loss"][-1] < r["loss"][0] and r["accuracy"] > 0.8
-    assert 1.0 <= r["scale"] <= 2.0 ** 15
+    assert 1.0 <= r["scale"] <= 2.0**15
     assert r["iterations"] == 120
     assert r["custom_traced"] > 0 and r["custom_loss"][-1] < r["custom_loss"][0]
-    assert 1.0 <= r["custom_scale"] <= 2.0 ** 15
+    assert 1.0 <= r["custom_scale"] <= 2.0**15
     # A fresh process without tfdist_ext loads it and predicts the same.
-    loaded = script(f"""
+    loaded = script(
+        f"""
 import json, numpy as np, keras
 model = keras.models.load_model({path!r})
 x = np.load({str(tmp_path / "x.npy")!r})
 print("LOADED " + json.dumps([type(model.optimizer).__name__, model.layers[0].compute_dtype,
                               model.predict(x, verbose=0).tolist()]), flush=True)
-""", timeout=120)
+""",
+        timeout=120,
+    )
     line = [l for l in loaded.stdout.splitlines() if l.startswith("LOADED ")][0]
-    _, dtype, logits = json.loads(line[len("LOADED "):])
+    _, dtype, logits = json.loads(line[len("LOADED ") :])
     assert dtype == "float16"
     np.testing.assert_allclose(logits, r["logits"], rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.timeout(300)
 def test_downpour_schedule_counts_steps_like_plain_keras(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 keras.utils.set_random_seed(0)
 def schedule():
     return keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=20, decay_rate=0.5)
@@ -256,7 +278,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     rates = Rates()
     model.fit(digits_train(), epochs=2, steps_per_epoch=42, verbose=0, callbacks=[rates])
     report(downpour=rates.seen, plain=plain_rates.seen, pushes=strategy.stats.summary()["pushes"])
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # 42 steps per epoch at n_push=5: 9 pushes per epoch (8 of 5 steps, 1 of 2).
     assert r["pushes"] == 18

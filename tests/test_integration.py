@@ -21,31 +21,42 @@ def _package_sources():
 
 
 def test_private_keras_and_tensorflow_imports_only_in_the_integration_module():
-    offenders = [path for path, text in _package_sources()
-                 if PRIVATE_IMPORT.search(text) and not path.endswith("_integration.py")]
+    offenders = [
+        path
+        for path, text in _package_sources()
+        if PRIVATE_IMPORT.search(text) and not path.endswith("_integration.py")
+    ]
     assert offenders == [], (
-        "private Keras/TensorFlow modules imported outside tfdist_ext/_integration.py: "
-        f"{offenders}")
+        f"private Keras/TensorFlow modules imported outside tfdist_ext/_integration.py: {offenders}"
+    )
 
 
 def test_no_os_exit_in_the_package():
-    forbidden = "os." + "_exit("   # spelled apart so that this file is not an offender
+    forbidden = "os." + "_exit("  # spelled apart so that this file is not an offender
     offenders = [path for path, text in _package_sources() if forbidden in text]
     assert offenders == [], f"os._exit in {offenders}"
 
 
-@pytest.mark.parametrize("removed, named", [
-    ("keras.src.backend.tensorflow.trainer.TensorFlowTrainer._get_metrics_result_or_logs",
-     "_get_metrics_result_or_logs is missing"),
-    ("keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
-     "_all_reduce_sum_gradients is missing"),
-])
+@pytest.mark.parametrize(
+    "removed, named",
+    [
+        (
+            "keras.src.backend.tensorflow.trainer.TensorFlowTrainer._get_metrics_result_or_logs",
+            "_get_metrics_result_or_logs is missing",
+        ),
+        (
+            "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
+            "_all_reduce_sum_gradients is missing",
+        ),
+    ],
+)
 def test_a_renamed_keras_internal_fails_at_import_with_one_clear_message(script, removed, named):
     # Simulates a Keras release that renamed one of the internals we rely on:
     # loading a strategy must fail at once, naming the versions and the symbol,
     # instead of a strategy silently skipping its hook later.
     module, cls, attr = removed.rsplit(".", 2)
-    proc = script(f"""
+    proc = script(
+        f"""
 import importlib, sys
 owner = getattr(importlib.import_module({module!r}), {cls!r})
 for klass in owner.__mro__:
@@ -58,7 +69,9 @@ except ImportError as e:
     print("IMPORT_ERROR", e)
 else:
     print("IMPORTED")
-""", timeout=120)
+""",
+        timeout=120,
+    )
     out = proc.stdout
     assert "IMPORT_ERROR" in out, out
     assert named in out
@@ -120,7 +133,12 @@ def test_keras_tensorboard_callback_works_in_the_default_install(tmp_path):
 
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
-    model.fit(np.ones((8, 3), "float32"), np.ones((8, 1), "float32"), epochs=1, verbose=0,
-              callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path))])
+    model.fit(
+        np.ones((8, 3), "float32"),
+        np.ones((8, 1), "float32"),
+        epochs=1,
+        verbose=0,
+        callbacks=[keras.callbacks.TensorBoard(log_dir=str(tmp_path))],
+    )
     written = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert any(f.startswith("events.out.tfevents") for f in written), written

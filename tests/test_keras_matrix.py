@@ -346,7 +346,7 @@ if os.environ.get("MATRIX_AFTER_CLUSTER_BLOCK"):
 write(results, finished=time.time(), **extra)
 '''
 
-LOAD = r'''
+LOAD = r"""
 import json, sys
 import numpy as np
 import keras
@@ -371,35 +371,55 @@ for kind in kinds:
         results[kind] = {"error": f"{type(e).__name__}: {e}"[:2000]}
 results["imported_tfdist_ext"] = "tfdist_ext" in sys.modules
 print("RESULT " + json.dumps(results), flush=True)
-'''
+"""
 
-STRATEGIES = ("downpour", "sandblaster", "compressed_mirrored", "compressed_multiworker",
-              "model_parallel")
-KINDS = ("sequential", "functional_two_inputs", "subclassed", "custom_train_step",
-         "bn_dropout", "embedding", "mixed_float16", "mixed_bfloat16", "checkpoint_restart")
+STRATEGIES = (
+    "downpour",
+    "sandblaster",
+    "compressed_mirrored",
+    "compressed_multiworker",
+    "model_parallel",
+)
+KINDS = (
+    "sequential",
+    "functional_two_inputs",
+    "subclassed",
+    "custom_train_step",
+    "bn_dropout",
+    "embedding",
+    "mixed_float16",
+    "mixed_bfloat16",
+    "checkpoint_restart",
+)
 
 # Every strategy and every model kind at least once, in the default suite.
 DEFAULT_CELLS = {
-    ("downpour", "sequential"), ("downpour", "custom_train_step"), ("downpour", "mixed_float16"),
+    ("downpour", "sequential"),
+    ("downpour", "custom_train_step"),
+    ("downpour", "mixed_float16"),
     ("downpour", "checkpoint_restart"),
-    ("sandblaster", "custom_train_step"), ("sandblaster", "embedding"),
-    ("compressed_mirrored", "functional_two_inputs"), ("compressed_mirrored", "bn_dropout"),
-    ("compressed_multiworker", "subclassed"), ("compressed_multiworker", "mixed_bfloat16"),
-    ("model_parallel", "custom_train_step"), ("model_parallel", "subclassed"),
+    ("sandblaster", "custom_train_step"),
+    ("sandblaster", "embedding"),
+    ("compressed_mirrored", "functional_two_inputs"),
+    ("compressed_mirrored", "bn_dropout"),
+    ("compressed_multiworker", "subclassed"),
+    ("compressed_multiworker", "mixed_bfloat16"),
+    ("model_parallel", "custom_train_step"),
+    ("model_parallel", "subclassed"),
 }
 
 # Where a strategy cannot honour the user's code, fit must be refused at once
 # with a ValueError whose message contains this text.
 REFUSALS = {
     ("sandblaster", "custom_train_step"): "train_step",
-    ("sandblaster", "mixed_float16"): "mixed_float16",   # L-BFGS has no loss scaling
+    ("sandblaster", "mixed_float16"): "mixed_float16",  # L-BFGS has no loss scaling
 }
 
 # Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).
 KNOWN_FAILURES = {}
 
 POLICIES = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
-EXIT_GRACE = 30.0     # seconds a process may take to end after its last statement
+EXIT_GRACE = 30.0  # seconds a process may take to end after its last statement
 
 
 def _cell(strategy, kind):
@@ -435,18 +455,37 @@ class Run:
             self.workers = [self._start(self.directory / "out", self.env)]
             return self
         cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
-        self.workers = [self._start(self.directory / f"out{i}", {**self.env, "TF_CONFIG": json.dumps(
-                            {"cluster": cluster, "task": {"type": "worker", "index": i}})})
-                        for i in range(2)]
+        self.workers = [
+            self._start(
+                self.directory / f"out{i}",
+                {
+                    **self.env,
+                    "TF_CONFIG": json.dumps(
+                        {"cluster": cluster, "task": {"type": "worker", "index": i}}
+                    ),
+                },
+            )
+            for i in range(2)
+        ]
         return self
 
     def _start(self, out, env):
         log = open(self.directory / f"{out.name}.log", "w")
         proc = subprocess.Popen(
-            [sys.executable, "train.py", self.strategy, str(out), ",".join(self.kinds),
-             json.dumps(POLICIES)],
-            cwd=self.directory, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **env))
+            [
+                sys.executable,
+                "train.py",
+                self.strategy,
+                str(out),
+                ",".join(self.kinds),
+                json.dumps(POLICIES),
+            ],
+            cwd=self.directory,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2", **env),
+        )
         return {"proc": proc, "out": out, "log": log}
 
     def wait(self):
@@ -455,8 +494,11 @@ class Run:
         for w in self.workers:
             while w["proc"].poll() is None:
                 finished = self._results(w).get("finished")
-                if (finished and time.time() - finished > EXIT_GRACE
-                        or time.time() - start > self.deadline):
+                if (
+                    finished
+                    and time.time() - finished > EXIT_GRACE
+                    or time.time() - start > self.deadline
+                ):
                     w["killed"] = True
                     break
                 time.sleep(0.5)
@@ -485,7 +527,9 @@ class Run:
     def after_cluster_block(self):
         result = self._results(self.workers[0]).get("after_cluster_block")
         if result is None:
-            pytest.fail(f"no result after the cluster block; the log ends:\n{self.log(self.workers[0])}")
+            pytest.fail(
+                f"no result after the cluster block; the log ends:\n{self.log(self.workers[0])}"
+            )
         return result
 
     def cell(self, kind):
@@ -505,12 +549,17 @@ class Run:
             saved = [k for k in self.kinds if (out / f"{k}.keras").exists()]
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             proc = subprocess.run(
-                [sys.executable, "load.py", str(out), ",".join(saved)], cwd=self.directory,
-                capture_output=True, text=True, timeout=60 + 20 * len(saved),
-                stdin=subprocess.DEVNULL, env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"))
+                [sys.executable, "load.py", str(out), ",".join(saved)],
+                cwd=self.directory,
+                capture_output=True,
+                text=True,
+                timeout=60 + 20 * len(saved),
+                stdin=subprocess.DEVNULL,
+                env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
+            )
             lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
             assert lines, f"loader failed:\n{proc.stderr[-4000:]}"
-            self.loaded = json.loads(lines[-1][len("RESULT "):])
+            self.loaded = json.loads(lines[-1][len("RESULT ") :])
         return self.loaded
 
 
@@ -532,21 +581,29 @@ def run_of(request, tmp_path_factory):
     then uses the model after its LocalCluster block (kept apart so that what it
     prints does not count against the exit check of the main run).
     """
+
     def get(strategy, after_cluster_block=False):
         if after_cluster_block:
             key = (strategy, "after_cluster_block")
             if key not in _RUNS:
-                _RUNS[key] = Run(strategy, ["sequential"], tmp_path_factory.mktemp(key[1]),
-                                 env={"MATRIX_AFTER_CLUSTER_BLOCK": "1"})
+                _RUNS[key] = Run(
+                    strategy,
+                    ["sequential"],
+                    tmp_path_factory.mktemp(key[1]),
+                    env={"MATRIX_AFTER_CLUSTER_BLOCK": "1"},
+                )
                 _RUNS[key].start().wait()
             return _RUNS[key]
         if strategy not in _RUNS:
-            kinds = [k for k in KINDS if any(_params(item) == (strategy, k)
-                                             for item in request.session.items)]
-            _RUNS[strategy] = Run(strategy, kinds or KINDS[:1],
-                                  tmp_path_factory.mktemp(strategy))
+            kinds = [
+                k
+                for k in KINDS
+                if any(_params(item) == (strategy, k) for item in request.session.items)
+            ]
+            _RUNS[strategy] = Run(strategy, kinds or KINDS[:1], tmp_path_factory.mktemp(strategy))
             _RUNS[strategy].start().wait()
         return _RUNS[strategy]
+
     return get
 
 
@@ -560,7 +617,8 @@ def _check_trained(strategy, kind, result):
         expected = REFUSALS.get((strategy, kind))
         assert expected is not None, (
             f"{strategy} x {kind}: fit failed with {result['error']}: {result['message']}\n"
-            f"{result['traceback']}")
+            f"{result['traceback']}"
+        )
         assert result["error"] == "ValueError", result["traceback"]
         assert expected in result["message"], result["message"]
         assert result["batches"] == 0, "refused only after training had started"
@@ -571,7 +629,8 @@ def _check_trained(strategy, kind, result):
         steps = result["history"].get("user_steps")
         assert steps and steps[-1] > 0, (
             f"the user's train_step did not run (user_steps: {steps}; logs: "
-            f"{sorted(result['history'])})")
+            f"{sorted(result['history'])})"
+        )
     if kind == "subclassed":
         assert result["calls"]["model"] > 0, "the user's Model.call() never ran"
         assert result["calls"]["layer"] > 0, "the user's Layer.call() never ran"
@@ -591,22 +650,33 @@ def test_keras_program_runs_under_strategy(run_of, strategy, kind):
     loaded = run.load()
     assert loaded["imported_tfdist_ext"] is False
     assert "error" not in loaded[kind], loaded[kind]["error"]
-    if strategy != "sandblaster":   # see test_sandblaster_model_loads_compiled_without_tfdist_ext
+    if strategy != "sandblaster":  # see test_sandblaster_model_loads_compiled_without_tfdist_ext
         assert "compile_error" not in loaded[kind], loaded[kind]["compile_error"]
     tolerance = 1e-2 if kind.startswith("mixed") else 1e-4
     assert loaded[kind]["max_diff"] <= tolerance, loaded[kind]
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("strategy", [
-    pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=EXIT_FAILURES[s])]
-                 if s in EXIT_FAILURES else [], id=s) for s in STRATEGIES])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(
+            s,
+            marks=[pytest.mark.xfail(strict=True, reason=EXIT_FAILURES[s])]
+            if s in EXIT_FAILURES
+            else [],
+            id=s,
+        )
+        for s in STRATEGIES
+    ],
+)
 def test_training_process_exits_by_itself(run_of, strategy):
     run = run_of(strategy)
     for w in run.workers:
         assert "killed" not in w, (
             f"the process did not end within {EXIT_GRACE:.0f} s of its last statement "
-            f"(or the {run.deadline} s deadline); its log ends:\n{run.log(w)}")
+            f"(or the {run.deadline} s deadline); its log ends:\n{run.log(w)}"
+        )
         assert w["proc"].returncode == 0, run.log(w)
         assert "Connection refused" not in run.log(w, tail=None), run.log(w)
 
@@ -619,8 +689,11 @@ def test_sandblaster_model_without_tfdist_ext_loads_uncompiled_or_names_lbfgs(ru
     # (the cells above compare its predictions); with tfdist_ext.optimizers
     # imported it loads compiled (test_sandblaster.py).
     loaded = run_of("sandblaster").load()
-    errors = {kind: r["compile_error"] for kind, r in loaded.items()
-              if isinstance(r, dict) and "compile_error" in r}
+    errors = {
+        kind: r["compile_error"]
+        for kind, r in loaded.items()
+        if isinstance(r, dict) and "compile_error" in r
+    }
     assert errors, "expected Keras to name the LBFGS class it cannot find"
     for kind, error in errors.items():
         assert "LBFGS" in error, (kind, error)
@@ -628,9 +701,19 @@ def test_sandblaster_model_without_tfdist_ext_loads_uncompiled_or_names_lbfgs(ru
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("strategy", [
-    pytest.param(s, marks=[pytest.mark.xfail(strict=True, reason=AFTER_BLOCK_FAILURES[s])]
-                 if s in AFTER_BLOCK_FAILURES else [], id=s) for s in ("downpour", "sandblaster")])
+@pytest.mark.parametrize(
+    "strategy",
+    [
+        pytest.param(
+            s,
+            marks=[pytest.mark.xfail(strict=True, reason=AFTER_BLOCK_FAILURES[s])]
+            if s in AFTER_BLOCK_FAILURES
+            else [],
+            id=s,
+        )
+        for s in ("downpour", "sandblaster")
+    ],
+)
 def test_model_after_cluster_block(run_of, strategy):
     """Predicts as before once the LocalCluster has closed, or says what happened (item 6)."""
     result = run_of(strategy, after_cluster_block=True).after_cluster_block()

@@ -31,8 +31,10 @@ def data(n=64, seed=0):
 
 def model(optimizer=None):
     m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-    m.compile(optimizer=optimizer or keras.optimizers.SGD(0.5, momentum=0.9),
-              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    m.compile(
+        optimizer=optimizer or keras.optimizers.SGD(0.5, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
     return m
 
 
@@ -45,16 +47,18 @@ def test_sets_the_linear_scaling_rate_each_step_and_logs_it():
     np.testing.assert_allclose(probe.rates, [float(expected(s)) for s in range(12)], rtol=1e-6)
     assert probe.rates[0] == pytest.approx(0.01) and probe.rates[-1] == pytest.approx(0.04)
     # the rate of each epoch's last step
-    np.testing.assert_allclose(history.history["learning_rate"],
-                               [0.01 + 0.03 * 3 / 8, 0.01 + 0.03 * 7 / 8, 0.04], rtol=1e-5)
+    np.testing.assert_allclose(
+        history.history["learning_rate"],
+        [0.01 + 0.03 * 3 / 8, 0.01 + 0.03 * 7 / 8, 0.04],
+        rtol=1e-5,
+    )
     assert cb.global_batch_size == 16 and cb.schedule.scale == 4
 
 
 def test_global_batch_from_data_and_constant_warmup():
     x, y = data()
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32, drop_remainder=True)
-    cb = LinearScalingWarmup(0.01, base_batch_size=8, data=ds, warmup_epochs=1,
-                             warmup="constant")
+    cb = LinearScalingWarmup(0.01, base_batch_size=8, data=ds, warmup_epochs=1, warmup="constant")
     probe = RateProbe()
     model().fit(ds, epochs=2, verbose=0, callbacks=[cb, probe])
     np.testing.assert_allclose(probe.rates, [0.01, 0.01, 0.04, 0.04], rtol=1e-6)
@@ -62,10 +66,9 @@ def test_global_batch_from_data_and_constant_warmup():
 
 def test_per_replica_batch_times_replicas_of_the_default_strategy():
     x, y = data()
-    cb = LinearScalingWarmup(0.01, base_batch_size=8, per_replica_batch_size=16,
-                             warmup_epochs=1)
+    cb = LinearScalingWarmup(0.01, base_batch_size=8, per_replica_batch_size=16, warmup_epochs=1)
     model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
-    assert cb.global_batch_size == 16    # 1 replica
+    assert cb.global_batch_size == 16  # 1 replica
 
 
 def test_composes_with_reduce_lr_on_plateau():
@@ -73,13 +76,18 @@ def test_composes_with_reduce_lr_on_plateau():
     cb = LinearScalingWarmup(0.01, base_batch_size=4, batch_size=16, warmup_epochs=3)
     # min_delta so large that every epoch after the first is a "plateau":
     # the rate is halved at the end of epochs 2, 3 and 4.
-    plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
-                                                min_delta=1e9, min_lr=0.0)
+    plateau = keras.callbacks.ReduceLROnPlateau(
+        monitor="loss", factor=0.5, patience=0, min_delta=1e9, min_lr=0.0
+    )
     probe = RateProbe()
     model().fit(x, y, batch_size=16, epochs=5, verbose=0, callbacks=[cb, plateau, probe])
     rates = np.array(probe.rates)
-    expected = np.array([float(LinearScaling(0.01, 4, 16, warmup_epochs=3,
-                                             steps_per_epoch=4)(s)) for s in range(20)])
+    expected = np.array(
+        [
+            float(LinearScaling(0.01, 4, 16, warmup_epochs=3, steps_per_epoch=4)(s))
+            for s in range(20)
+        ]
+    )
     np.testing.assert_allclose(rates[:8], expected[:8], rtol=1e-6)
     # The halving during warm-up is kept as a factor on the rest of the ramp ...
     np.testing.assert_allclose(rates[8:12], expected[8:12] * 0.5, rtol=1e-5)
@@ -104,11 +112,18 @@ def test_errors():
         model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[too_long])
     scheduled = model(keras.optimizers.SGD(LinearScaling(0.1, 4, 16, warmup_epochs=0)))
     with pytest.raises(ValueError, match="is a LearningRateSchedule"):
-        scheduled.fit(x, y, batch_size=16, epochs=1, verbose=0,
-                      callbacks=[LinearScalingWarmup(0.1, 4, batch_size=16, warmup_epochs=1)])
+        scheduled.fit(
+            x,
+            y,
+            batch_size=16,
+            epochs=1,
+            verbose=0,
+            callbacks=[LinearScalingWarmup(0.1, 4, batch_size=16, warmup_epochs=1)],
+        )
     with pytest.raises(ValueError, match="SGD with momentum > 0"):
-        model(keras.optimizers.Adam(0.1)).fit(x, y, batch_size=16, epochs=1, verbose=0,
-                                              callbacks=[MomentumCorrection()])
+        model(keras.optimizers.Adam(0.1)).fit(
+            x, y, batch_size=16, epochs=1, verbose=0, callbacks=[MomentumCorrection()]
+        )
 
 
 def reference_sgd(x, y, w, rates, momentum, corrected):
@@ -124,7 +139,7 @@ def reference_sgd(x, y, w, rates, momentum, corrected):
         w = w + v
         previous = lr
         g2 = 2.0 / len(x) * x.T @ (x @ out_of_velocity_w - y)
-        u = momentum * u + g2              # the paper's Eq. (9): rate outside
+        u = momentum * u + g2  # the paper's Eq. (9): rate outside
         out_of_velocity_w = out_of_velocity_w - lr * u
     return w, out_of_velocity_w
 
@@ -136,14 +151,16 @@ def test_momentum_correction_matches_rate_outside_the_velocity(corrected):
     y = rng.normal(size=(16, 1)).astype("float32")
     m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
     w0 = m.get_weights()[0].astype("float64")
-    lr = LinearScaling(0.01, 1, 8, warmup_epochs=1, steps_per_epoch=6)   # changes each step
+    lr = LinearScaling(0.01, 1, 8, warmup_epochs=1, steps_per_epoch=6)  # changes each step
     m.compile(optimizer=keras.optimizers.SGD(lr, momentum=0.9), loss="mse")
     cb = MomentumCorrection()
-    m.fit(x, y, batch_size=16, epochs=8, shuffle=False, verbose=0,
-          callbacks=[cb] if corrected else [])
+    m.fit(
+        x, y, batch_size=16, epochs=8, shuffle=False, verbose=0, callbacks=[cb] if corrected else []
+    )
     rates = [float(lr(s)) for s in range(8)]
-    keras_form, paper_form = reference_sgd(x.astype("float64"), y.astype("float64"), w0,
-                                           rates, 0.9, corrected)
+    keras_form, paper_form = reference_sgd(
+        x.astype("float64"), y.astype("float64"), w0, rates, 0.9, corrected
+    )
     np.testing.assert_allclose(m.get_weights()[0], keras_form, rtol=1e-4, atol=1e-6)
     if corrected:
         # With correction Keras's form equals the paper's rate-outside form
@@ -158,12 +175,13 @@ def test_callback_with_momentum_correction_option():
     x, y = data()
     cb = LinearScalingWarmup(0.01, 4, batch_size=16, warmup_epochs=1, momentum_correction=True)
     model().fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
-    assert cb.corrections == 4   # steps 1..4 change the rate (0 -> 4 is the ramp)
+    assert cb.corrections == 4  # steps 1..4 change the rate (0 -> 4 is the ramp)
 
 
 @pytest.mark.timeout(240)
 def test_reads_the_replicas_of_mirrored_strategy(script):
-    proc = script("""
+    proc = script(
+        """
         from tfdist_ext.cluster import logical_cpus
         devices = logical_cpus(2)
         import keras, numpy as np, tensorflow as tf
@@ -185,7 +203,9 @@ def test_reads_the_replicas_of_mirrored_strategy(script):
         print("RATES", " ".join(f"{r:.6f}" for r in rates))
         print("LOGGED", h.history["learning_rate"])
         print("CORR", cb.corrections)
-    """, timeout=200)
+    """,
+        timeout=200,
+    )
     out = proc.stdout
     assert "GLOBAL 16 SCALE 2.0" in out
     rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
@@ -194,15 +214,19 @@ def test_reads_the_replicas_of_mirrored_strategy(script):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("make, per_replica", [
-    ("tfdist_ext.CompressedMirroredStrategy(devices, compression='fp16')", 8),
-    ("tfdist_ext.ModelParallelStrategy(devices)", 16),
-])
+@pytest.mark.parametrize(
+    "make, per_replica",
+    [
+        ("tfdist_ext.CompressedMirroredStrategy(devices, compression='fp16')", 8),
+        ("tfdist_ext.ModelParallelStrategy(devices)", 16),
+    ],
+)
 def test_works_under_the_package_strategies(script, make, per_replica):
     # Same rule, same rates under the package's own strategies: the callback
     # reads their replica count (2 for the compressed mirrored strategy, 1
     # for the model-parallel one), and the schedule trains the model too.
-    proc = script(f"""
+    proc = script(
+        f"""
         from tfdist_ext.cluster import logical_cpus
         devices = logical_cpus(2)
         import keras, numpy as np, tensorflow as tf
@@ -235,7 +259,9 @@ def test_works_under_the_package_strategies(script, make, per_replica):
         h = s.fit(x, y, batch_size=16, epochs=2, verbose=0)
         print("SCHEDULED", round(float(keras.ops.convert_to_numpy(s.optimizer.learning_rate)), 6),
               int(s.optimizer.iterations.numpy()), h.history["loss"][-1] > 0)
-    """, timeout=200)
+    """,
+        timeout=200,
+    )
     out = proc.stdout
     assert "GLOBAL 16 SCALE 2.0" in out, out
     rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
@@ -258,12 +284,25 @@ def test_benchmark_sgd_is_sgd_with_momentum_correction_at_any_steps_per_executio
         keras.utils.set_random_seed(0)
         m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, use_bias=False)])
         # A gradual warm-up (the rate changes every step) and a decay by 10.
-        lr = LinearScaling(0.01, 1, 8, warmup_epochs=1, steps_per_epoch=4,
-                           after=StepDecay(0.01, (2,), steps_per_epoch=4))
+        lr = LinearScaling(
+            0.01,
+            1,
+            8,
+            warmup_epochs=1,
+            steps_per_epoch=4,
+            after=StepDecay(0.01, (2,), steps_per_epoch=4),
+        )
         if form == "callback":
             m.compile(optimizer=keras.optimizers.SGD(lr, momentum=MOMENTUM), loss="mse")
-            m.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0,
-                  callbacks=[MomentumCorrection()])
+            m.fit(
+                x,
+                y,
+                batch_size=4,
+                epochs=3,
+                shuffle=False,
+                verbose=0,
+                callbacks=[MomentumCorrection()],
+            )
         else:
             m.compile(optimizer=_sgd(lr), loss="mse", steps_per_execution=5)
             m.fit(x, y, batch_size=4, epochs=3, shuffle=False, verbose=0)

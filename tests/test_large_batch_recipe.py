@@ -48,17 +48,27 @@ def test_zero_gamma_on_last_bn_of_each_residual_branch_only():
 def test_weight_decay_is_an_l2_loss_on_kernels_only():
     model = resnet()
     report = apply_goyal_recipe(model, weight_decay=2e-3, zero_gamma=False)
-    assert set(report["weight_decay"]) == {"stem", "b1_c1", "b1_c2", "b2_c1", "b2_c2",
-                                           "b2_proj", "logits"}
+    assert set(report["weight_decay"]) == {
+        "stem",
+        "b1_c1",
+        "b1_c2",
+        "b2_c1",
+        "b2_c2",
+        "b2_proj",
+        "logits",
+    }
     assert report["zero_gamma"] == []
     kernels = [layer.kernel for layer in model.layers if hasattr(layer, "kernel")]
     expected = sum(1e-3 * float(np.sum(k.numpy() ** 2)) for k in kernels)
     x = np.zeros((2, 8, 8, 1), "float32")
-    model(x)   # losses are recomputed on call
+    model(x)  # losses are recomputed on call
     np.testing.assert_allclose(float(sum(model.losses)), expected, rtol=1e-5)
     # No decay on BN parameters or biases.
-    assert all(getattr(v, "regularizer", None) is None
-               for v in model.trainable_weights if "kernel" not in v.path)
+    assert all(
+        getattr(v, "regularizer", None) is None
+        for v in model.trainable_weights
+        if "kernel" not in v.path
+    )
 
 
 def test_recipe_survives_save_and_load(tmp_path):
@@ -75,7 +85,8 @@ def test_recipe_survives_save_and_load(tmp_path):
 def test_explicit_layers_and_errors():
     model = resnet()
     assert apply_goyal_recipe(model, weight_decay=0, zero_gamma_layers=["stem_bn"])[
-        "zero_gamma"] == ["stem_bn"]
+        "zero_gamma"
+    ] == ["stem_bn"]
     with pytest.raises(ValueError, match="no layer named 'nope'"):
         apply_goyal_recipe(model, zero_gamma_layers=["nope"])
     with pytest.raises(ValueError, match="not a normalisation layer"):

@@ -25,19 +25,20 @@ def grouped_reference(x, n, axis, eps):
 @pytest.mark.parametrize("shape, axis", [((12, 5), -1), ((8, 4, 4, 3), -1), ((8, 3, 6), 1)])
 def test_each_group_of_n_is_normalised_with_its_own_statistics(shape, axis):
     rng = np.random.default_rng(0)
-    x = (rng.normal(size=shape) * 3 + rng.normal(size=shape[:1] + (1,) * (len(shape) - 1))
-         ).astype("float32")
+    x = (rng.normal(size=shape) * 3 + rng.normal(size=shape[:1] + (1,) * (len(shape) - 1))).astype(
+        "float32"
+    )
     n = 4
-    bn = IndependentBatchNormalization(virtual_batch_size=n, axis=axis, momentum=0.0,
-                                       epsilon=1e-3)
+    bn = IndependentBatchNormalization(virtual_batch_size=n, axis=axis, momentum=0.0, epsilon=1e-3)
     out = bn(x, training=True).numpy()
     ref, mean, var = grouped_reference(x, n, axis % len(shape), 1e-3)
     np.testing.assert_allclose(out, ref, atol=2e-5)
     np.testing.assert_allclose(bn.moving_mean.numpy(), mean, atol=1e-5)
     np.testing.assert_allclose(bn.moving_variance.numpy(), var, rtol=1e-4)
     # and the same result in a traced function with a dynamic batch dimension
-    fn = tf.function(lambda t: bn(t, training=True),
-                     input_signature=[tf.TensorSpec((None, *shape[1:]))])
+    fn = tf.function(
+        lambda t: bn(t, training=True), input_signature=[tf.TensorSpec((None, *shape[1:]))]
+    )
     np.testing.assert_allclose(fn(x).numpy(), ref, atol=2e-5)
 
 
@@ -45,14 +46,15 @@ def test_one_group_equals_keras_batch_norm_and_inference_uses_moving_stats():
     x = np.random.default_rng(1).normal(size=(16, 6)).astype("float32") + 2
     ibn = IndependentBatchNormalization(virtual_batch_size=16, momentum=0.5)
     bn = keras.layers.BatchNormalization(momentum=0.5)
-    np.testing.assert_allclose(ibn(x, training=True).numpy(), bn(x, training=True).numpy(),
-                               atol=1e-5)
+    np.testing.assert_allclose(
+        ibn(x, training=True).numpy(), bn(x, training=True).numpy(), atol=1e-5
+    )
     np.testing.assert_allclose(ibn.moving_mean.numpy(), bn.moving_mean.numpy(), atol=1e-6)
-    np.testing.assert_allclose(ibn.moving_variance.numpy(), bn.moving_variance.numpy(),
-                               atol=1e-6)
+    np.testing.assert_allclose(ibn.moving_variance.numpy(), bn.moving_variance.numpy(), atol=1e-6)
     # inference: moving statistics, any batch size
-    np.testing.assert_allclose(ibn(x[:5], training=False).numpy(),
-                               bn(x[:5], training=False).numpy(), atol=1e-6)
+    np.testing.assert_allclose(
+        ibn(x[:5], training=False).numpy(), bn(x[:5], training=False).numpy(), atol=1e-6
+    )
 
 
 def test_moving_statistics_are_mean_aggregated_variables():
@@ -76,8 +78,7 @@ def test_errors():
     bn = IndependentBatchNormalization(virtual_batch_size=4)
     with pytest.raises(ValueError, match=r"multiple of virtual_batch_size=4.*batch of 6"):
         bn(np.zeros((6, 3), "float32"), training=True)
-    fn = tf.function(lambda t: bn(t, training=True),
-                     input_signature=[tf.TensorSpec((None, 3))])
+    fn = tf.function(lambda t: bn(t, training=True), input_signature=[tf.TensorSpec((None, 3))])
     with pytest.raises(tf.errors.InvalidArgumentError, match="multiple of virtual_batch_size"):
         fn(np.zeros((6, 3), "float32"))
     assert bn(np.zeros((6, 3), "float32"), training=False).shape == (6, 3)
@@ -87,13 +88,17 @@ def test_save_and_load_model_round_trip(tmp_path):
     rng = np.random.default_rng(2)
     x = rng.normal(size=(32, 6)).astype("float32")
     y = (x[:, 0] > 0).astype("int32")
-    model = keras.Sequential([
-        keras.Input((6,)), keras.layers.Dense(8),
-        IndependentBatchNormalization(virtual_batch_size=4, momentum=0.8, name="ibn"),
-        keras.layers.Dense(2),
-    ])
-    model.compile(optimizer="sgd",
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8),
+            IndependentBatchNormalization(virtual_batch_size=4, momentum=0.8, name="ibn"),
+            keras.layers.Dense(2),
+        ]
+    )
+    model.compile(
+        optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     model.fit(x, y, batch_size=8, epochs=2, verbose=0)
     path = os.path.join(tmp_path, "ibn.keras")
     model.save(path)
@@ -101,10 +106,10 @@ def test_save_and_load_model_round_trip(tmp_path):
     layer = loaded.get_layer("ibn")
     assert isinstance(layer, IndependentBatchNormalization)
     assert layer.virtual_batch_size == 4 and layer.momentum == pytest.approx(0.8)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               atol=1e-6)
-    np.testing.assert_allclose(loaded(x, training=True).numpy(),
-                               model(x, training=True).numpy(), atol=1e-5)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    np.testing.assert_allclose(
+        loaded(x, training=True).numpy(), model(x, training=True).numpy(), atol=1e-5
+    )
     clone = IndependentBatchNormalization.from_config(model.get_layer("ibn").get_config())
     assert clone.virtual_batch_size == 4
 

@@ -36,7 +36,9 @@ class KillWorker(keras.callbacks.Callback):
             self.cluster.kill("worker", 1)
 """
 
-DOWNPOUR = HEAD.format(kill_at=0) + """
+DOWNPOUR = (
+    HEAD.format(kill_at=0)
+    + """
 keras.utils.set_random_seed(0)
 with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
@@ -53,8 +55,11 @@ print("{left}", time.time(), flush=True)
 print("{left}", file=sys.stderr, flush=True)
 {after_block}
 """
+)
 
-SANDBLASTER = HEAD.format(kill_at=2) + """
+SANDBLASTER = (
+    HEAD.format(kill_at=2)
+    + """
 x, y = datasets.digits("train", flatten=True, as_numpy=True)
 
 with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -71,6 +76,7 @@ print("{left}", time.time(), flush=True)
 print("{left}", file=sys.stderr, flush=True)
 {after_block}
 """
+)
 
 SCRIPTS = {"downpour": DOWNPOUR, "sandblaster": SANDBLASTER}
 
@@ -103,8 +109,16 @@ print("RESULT " + json.dumps(dict(
 """
 
 # RPC errors as TensorFlow's runtime and its coordinator log them.
-RPC_ERROR = ("Connection refused", "failed to connect", "Failed to connect", "E0000",
-             "W0000", "ERROR:tensorflow", "UNAVAILABLE", "Traceback")
+RPC_ERROR = (
+    "Connection refused",
+    "failed to connect",
+    "Failed to connect",
+    "E0000",
+    "W0000",
+    "ERROR:tensorflow",
+    "UNAVAILABLE",
+    "Traceback",
+)
 
 
 def _run(script, source, timeout):
@@ -117,8 +131,7 @@ def _run(script, source, timeout):
 
 
 def _rpc_errors(lines, allowed=()):
-    return [l for l in lines
-            if any(s in l for s in RPC_ERROR) and not any(a in l for a in allowed)]
+    return [l for l in lines if any(s in l for s in RPC_ERROR) and not any(a in l for a in allowed)]
 
 
 @pytest.mark.timeout(420)
@@ -142,12 +155,15 @@ def test_script_ends_by_itself_without_rpc_errors(script, algorithm, kill):
 @pytest.mark.parametrize("algorithm", ["downpour", "sandblaster"])
 def test_model_keeps_final_parameters_after_the_block(script, tmp_path, algorithm):
     source = SCRIPTS[algorithm].format(
-        kill=False, left=LEFT, after_fit=AFTER_FIT,
-        after_block=AFTER_BLOCK.format(path=tmp_path / "after.keras"))
+        kill=False,
+        left=LEFT,
+        after_fit=AFTER_FIT,
+        after_block=AFTER_BLOCK.format(path=tmp_path / "after.keras"),
+    )
     proc, _ = _run(script, source, timeout=400)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(line[-1][len("RESULT "):])
+    r = json.loads(line[-1][len("RESULT ") :])
     assert r["same_weights"] and r["n_weights"][0] == r["n_weights"][1] > 0, r
     assert r["logits_diff"] < 1e-5, r
     assert r["evaluated"] == pytest.approx(r["final_eval"], abs=1e-5), r
@@ -157,15 +173,21 @@ def test_model_keeps_final_parameters_after_the_block(script, tmp_path, algorith
 
 @pytest.mark.timeout(300)
 def test_lost_parameter_server_is_a_clear_error(script):
-    source = DOWNPOUR.format(kill=False, left=LEFT, after_fit="""
+    source = DOWNPOUR.format(
+        kill=False,
+        left=LEFT,
+        after_fit="""
     cluster.kill("ps", 0)
     try:
         cluster.stop()
     except tfdist_ext.cluster.ClusterError as e:
         print("ERROR", e, flush=True)
-""", after_block="")
+""",
+        after_block="",
+    )
     proc, seconds = _run(script, source, timeout=280)
     error = [l for l in proc.stdout.splitlines() if l.startswith("ERROR ")]
-    assert error and "ps:0" in error[0] and "could not be brought back" in error[0], (
-        proc.stdout[-3000:])
+    assert error and "ps:0" in error[0] and "could not be brought back" in error[0], proc.stdout[
+        -3000:
+    ]
     assert seconds < 30

@@ -38,15 +38,17 @@ def mlp(widths=(64, 48, 32, 16), inputs=20, classes=10, reg=None):
 
 
 def cnn():
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(8, 3, activation="relu", padding="same"),
-        keras.layers.MaxPooling2D(),
-        keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(32, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(8, 3, activation="relu", padding="same"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(16, 3, activation="relu", padding="same"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def digits(n=256, flatten=True):
@@ -60,8 +62,11 @@ def built(strategy, make, **compile_kwargs):
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = make()
-        model.compile(optimizer=compile_kwargs.pop("optimizer", keras.optimizers.SGD(0.05)),
-                      loss=LOSS, **compile_kwargs)
+        model.compile(
+            optimizer=compile_kwargs.pop("optimizer", keras.optimizers.SGD(0.05)),
+            loss=LOSS,
+            **compile_kwargs,
+        )
     return model
 
 
@@ -119,10 +124,10 @@ def test_balanced_plan_is_contiguous_complete_and_optimal(cpu_devices, k):
     assert [n for s in plan.stages for n in s.layers] == names
     assert [s.device for s in plan.stages] == cpu_devices[:k]
     costs = layer_costs(model)
-    assert sum(c.param_bytes for c in costs) == plan.total_param_bytes == \
-        4 * model.count_params()
-    assert max(plan.device_param_bytes.values()) == \
-        brute_force_bottleneck([c.param_bytes for c in costs], k)
+    assert sum(c.param_bytes for c in costs) == plan.total_param_bytes == 4 * model.count_params()
+    assert max(plan.device_param_bytes.values()) == brute_force_bottleneck(
+        [c.param_bytes for c in costs], k
+    )
 
 
 def test_plan_reports_flops_and_boundary_bytes(cpu_devices):
@@ -139,13 +144,15 @@ def test_plan_reports_flops_and_boundary_bytes(cpu_devices):
 def test_balanced_plan_cuts_at_the_smallest_activation(cpu_devices):
     # Conv, pool, flatten: the pool/flatten have no parameters, so any cut
     # among them keeps the same balance; the planner picks the smallest tensor.
-    model = keras.Sequential([
-        keras.Input((16, 16, 1)),
-        keras.layers.Conv2D(16, 3, padding="same"),
-        keras.layers.MaxPooling2D(4),
-        keras.layers.Flatten(),
-        keras.layers.Dense(8),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((16, 16, 1)),
+            keras.layers.Conv2D(16, 3, padding="same"),
+            keras.layers.MaxPooling2D(4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(8),
+        ]
+    )
     plan = plan_partition(model, cpu_devices[:2])  # the Dense is the bottleneck
     assert plan.stages[0].layers[-1] in (model.layers[1].name, model.layers[2].name)
     assert plan.stages[0].boundary_bytes == 4 * 4 * 4 * 16
@@ -160,11 +167,18 @@ def test_cut_bytes_count_every_tensor_crossing_the_cut(cpu_devices):
     assert [layer.name for layer in model.layers[1:]] == ["a", "b", "skip", "c", "out"]
     # after a: a (and the input, read by c); after b: a, b, input; after skip:
     # its sum, input; after c: c; after out: the output
-    assert [cost.activation_bytes for cost in layer_costs(model)] == \
-        [32 + 16, 32 + 32 + 16, 32 + 16, 48, 8]
-    plan = plan_partition(model, cpu_devices[:2], {"a": cpu_devices[0], "b": cpu_devices[0],
-                                                    "skip": cpu_devices[1],
-                                                    "out": cpu_devices[1]})
+    assert [cost.activation_bytes for cost in layer_costs(model)] == [
+        32 + 16,
+        32 + 32 + 16,
+        32 + 16,
+        48,
+        8,
+    ]
+    plan = plan_partition(
+        model,
+        cpu_devices[:2],
+        {"a": cpu_devices[0], "b": cpu_devices[0], "skip": cpu_devices[1], "out": cpu_devices[1]},
+    )
     assert plan.stages[0].boundary_bytes == 32 + 32 + 16
 
 
@@ -194,17 +208,25 @@ def test_explicit_partition_places_variables_when_created(cpu_devices):
     partition = {"a": cpu_devices[1], "b": cpu_devices[2], "c": cpu_devices[2]}
     strategy = ModelParallelStrategy(cpu_devices[:3], partition=partition)
     with strategy.scope(), creations() as log:
-        model = keras.Sequential([
-            keras.Input((6,)), keras.layers.Dense(5, name="a"),
-            keras.layers.Dropout(0.1, name="drop"),
-            keras.layers.Dense(4, name="b"), keras.layers.Dense(3, name="c"),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(5, name="a"),
+                keras.layers.Dropout(0.1, name="drop"),
+                keras.layers.Dense(4, name="b"),
+                keras.layers.Dense(3, name="c"),
+            ]
+        )
     for layer in model.layers:  # before any placement pass
         for v in layer.weights:
             assert same_device(v.value.device, partition[layer.name]), v.path
     strategy.place(model)
-    assert strategy.plan.layer_devices == {"a": cpu_devices[1], "drop": cpu_devices[1],
-                                           "b": cpu_devices[2], "c": cpu_devices[2]}
+    assert strategy.plan.layer_devices == {
+        "a": cpu_devices[1],
+        "drop": cpu_devices[1],
+        "b": cpu_devices[2],
+        "c": cpu_devices[2],
+    }
     assert_created_on_their_stages(log, model, strategy.plan)
 
 
@@ -239,8 +261,12 @@ def test_forward_backward_and_update_ops_run_on_planned_devices(cpu_devices, mic
         # forward, d(input) and d(kernel) for every Dense layer and micro-batch,
         # except d(input) of the model's first layer (the input is not watched)
         assert len(matmuls) == (3 * n_dense - first) * microbatches, device
-        updates = [op for op in ops if op.type == "ResourceApplyGradientDescent"
-                   or (op.type == "AssignSubVariableOp" and same_device(op.device, device))]
+        updates = [
+            op
+            for op in ops
+            if op.type == "ResourceApplyGradientDescent"
+            or (op.type == "AssignSubVariableOp" and same_device(op.device, device))
+        ]
         assert len([u for u in updates if same_device(u.device, device)]) == 2 * n_dense
 
 
@@ -258,7 +284,8 @@ def _executed_on(lines, op_types):
 
 def test_executed_ops_run_on_planned_devices(script):
     """TensorFlow's own placement log of the ops a (run_eagerly) fit executes."""
-    proc = script("""
+    proc = script(
+        """
         import sys
         import tensorflow as tf
         tf.debugging.set_log_device_placement(True)  # must precede TF's start-up
@@ -277,9 +304,12 @@ def test_executed_ops_run_on_planned_devices(script):
         print("START", file=sys.stderr, flush=True)
         model.fit(x, y, batch_size=8, epochs=1, verbose=0)
         print("END", file=sys.stderr, flush=True)
-    """, timeout=120, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
+    """,
+        timeout=120,
+        env={"TF_CPP_MIN_LOG_LEVEL": "0"},
+    )
     text = proc.stderr
-    lines = text[text.index("START"):text.index("END")].splitlines()
+    lines = text[text.index("START") : text.index("END")].splitlines()
     # first: forward + d(kernel); second: forward + d(input) + d(kernel)
     assert _executed_on(lines, {"MatMul", "_MklMatMul"}) == ["CPU:0"] * 2 + ["CPU:1"] * 3
     # SGD updates of kernel and bias, each on its variable's device
@@ -302,21 +332,24 @@ def reference_loss_and_grads(model, x, y):
     return float(loss), [tf.convert_to_tensor(g).numpy() for g in grads]
 
 
-@pytest.mark.parametrize("make,flatten,microbatches,n", [
-    (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 1, 64),
-    (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 64),
-    (lambda: mlp(inputs=64), True, 4, 30),  # uneven micro-batches
-    (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 3),  # one empty
-    (cnn, False, 4, 32),
-])
-def test_pipelined_loss_and_gradients_match_single_device(cpu_devices, make, flatten,
-                                                          microbatches, n):
+@pytest.mark.parametrize(
+    "make,flatten,microbatches,n",
+    [
+        (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 1, 64),
+        (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 64),
+        (lambda: mlp(inputs=64), True, 4, 30),  # uneven micro-batches
+        (lambda: mlp(inputs=64, reg=keras.regularizers.L2(1e-3)), True, 4, 3),  # one empty
+        (cnn, False, 4, 32),
+    ],
+)
+def test_pipelined_loss_and_gradients_match_single_device(
+    cpu_devices, make, flatten, microbatches, n
+):
     strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=microbatches)
     model = built(strategy, make)
     strategy.place(model)
     x, y = digits(n, flatten=flatten)
-    fn = tf.function(lambda x, y: microbatch_gradients(model, strategy.plan, (x, y),
-                                                       microbatches))
+    fn = tf.function(lambda x, y: microbatch_gradients(model, strategy.plan, (x, y), microbatches))
     loss, _, grads = fn(tf.constant(x), tf.constant(y))
     ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
@@ -330,8 +363,9 @@ def test_pipelined_training_follows_the_unpipelined_trajectory(cpu_devices):
     weights = {}
     for m in (1, 4):
         strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=m)
-        model = built(strategy, lambda: mlp(inputs=64),
-                      optimizer=keras.optimizers.SGD(0.1, momentum=0.9))
+        model = built(
+            strategy, lambda: mlp(inputs=64), optimizer=keras.optimizers.SGD(0.1, momentum=0.9)
+        )
         model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
         weights[m] = model.get_weights()
     for a, b in zip(weights[1], weights[4]):
@@ -407,12 +441,14 @@ def test_column_parallel_dense_matches_dense_and_places_shards(cpu_devices, tmp_
     strategy = ModelParallelStrategy(cpu_devices[:3], partition="balanced")
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = keras.Sequential([
-            keras.Input((64,)),
-            ColumnParallelDense(96, num_shards=3, activation="relu", name="wide"),
-            keras.layers.Dense(10, name="head"),
-            keras.layers.Dense(10, name="head2"),
-        ])
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                ColumnParallelDense(96, num_shards=3, activation="relu", name="wide"),
+                keras.layers.Dense(10, name="head"),
+                keras.layers.Dense(10, name="head2"),
+            ]
+        )
         model.compile("sgd", LOSS)
     strategy.place(model)
     wide = model.get_layer("wide")
@@ -423,8 +459,9 @@ def test_column_parallel_dense_matches_dense_and_places_shards(cpu_devices, tmp_
     x, _ = digits(8)
     kernel = np.concatenate([k.numpy() for k in wide.kernels], axis=1)
     bias = np.concatenate([b.numpy() for b in wide.biases])
-    np.testing.assert_allclose(wide(x).numpy(), np.maximum(x @ kernel + bias, 0),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        wide(x).numpy(), np.maximum(x @ kernel + bias, 0), rtol=1e-5, atol=1e-5
+    )
     graph = tf.function(wide).get_concrete_function(tf.TensorSpec((None, 64))).graph
     devices = sorted(op.device[-5:] for op in graph.get_operations() if op.type == "MatMul")
     assert devices == sorted(d[-5:] for d in cpu_devices[:3])
@@ -433,8 +470,9 @@ def test_column_parallel_dense_matches_dense_and_places_shards(cpu_devices, tmp_
     assert clone.units == 96 and clone.num_shards == 3
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-5
+    )
 
 
 # --- errors -------------------------------------------------------------------------
@@ -467,11 +505,13 @@ def test_planning_errors(cpu_devices):
     model = mlp(widths=(8,))  # two layers
     with pytest.raises(ValueError, match="cannot make 3 stages from the 2 layer"):
         ModelParallelStrategy(cpu_devices[:3]).make_plan(model)
-    big = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256, name="big"),
-                            keras.layers.Dense(4)])
-    with pytest.raises(ValueError, match="'big' needs 263,168 parameter bytes.*ColumnParallelDense"):
-        plan_partition(big, cpu_devices[:4], device_budget_bytes=200_000,
-                       split_large_layers=False)
+    big = keras.Sequential(
+        [keras.Input((256,)), keras.layers.Dense(256, name="big"), keras.layers.Dense(4)]
+    )
+    with pytest.raises(
+        ValueError, match="'big' needs 263,168 parameter bytes.*ColumnParallelDense"
+    ):
+        plan_partition(big, cpu_devices[:4], device_budget_bytes=200_000, split_large_layers=False)
     with pytest.raises(ValueError, match="does not have"):
         plan_partition(model, cpu_devices[:2], {"nope": cpu_devices[0]})
     with pytest.raises(ValueError, match="does not place the layers with parameters"):
@@ -479,9 +519,11 @@ def test_planning_errors(cpu_devices):
     three = mlp(widths=(8, 8))
     names = [l.name for l in three.layers]
     with pytest.raises(ValueError, match="contiguous"):
-        plan_partition(three, cpu_devices[:2], {names[0]: cpu_devices[0],
-                                               names[1]: cpu_devices[1],
-                                               names[2]: cpu_devices[0]})
+        plan_partition(
+            three,
+            cpu_devices[:2],
+            {names[0]: cpu_devices[0], names[1]: cpu_devices[1], names[2]: cpu_devices[0]},
+        )
     with pytest.raises(ValueError, match="not built"):
         plan_partition(keras.Sequential([keras.layers.Dense(3)]), cpu_devices[:2])
 
@@ -492,12 +534,14 @@ BIG_BYTES = (32 * 300 + 300) * 4  # the "big" Dense of wide_model: 39,600 B
 
 
 def wide_model(reg=None):
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32, activation="relu", name="a"),
-        keras.layers.Dense(300, activation="relu", name="big", kernel_regularizer=reg),
-        keras.layers.Dense(10, name="head"),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(32, activation="relu", name="a"),
+            keras.layers.Dense(300, activation="relu", name="big", kernel_regularizer=reg),
+            keras.layers.Dense(10, name="head"),
+        ]
+    )
 
 
 def test_plan_splits_a_dense_over_the_budget(cpu_devices):
@@ -523,23 +567,39 @@ def test_plan_splits_a_dense_over_the_budget(cpu_devices):
 
 def test_plan_errors_for_layers_that_cannot_fit(cpu_devices):
     model = wide_model()
-    with pytest.raises(ValueError, match=r"'big' needs 39,600 parameter bytes on one device, "
-                                         r"more than the device budget of 30,000 bytes, and "
-                                         r"split_large_layers is off"):
-        plan_partition(model, cpu_devices[:3], device_budget_bytes=30_000,
-                       split_large_layers=False)
-    with pytest.raises(ValueError, match=r"'big' needs 39,600 .* over all 3 devices its "
-                                         r"largest shard would still need 13,200 bytes"):
+    with pytest.raises(
+        ValueError,
+        match=r"'big' needs 39,600 parameter bytes on one device, "
+        r"more than the device budget of 30,000 bytes, and "
+        r"split_large_layers is off",
+    ):
+        plan_partition(model, cpu_devices[:3], device_budget_bytes=30_000, split_large_layers=False)
+    with pytest.raises(
+        ValueError,
+        match=r"'big' needs 39,600 .* over all 3 devices its "
+        r"largest shard would still need 13,200 bytes",
+    ):
         plan_partition(model, cpu_devices[:3], device_budget_bytes=10_000)
-    with pytest.raises(ValueError, match="the balanced plan puts .* more than the device "
-                                         "budget of 16,000 bytes; 'big' is split into 3"):
+    with pytest.raises(
+        ValueError,
+        match="the balanced plan puts .* more than the device "
+        "budget of 16,000 bytes; 'big' is split into 3",
+    ):
         plan_partition(model, cpu_devices[:3], device_budget_bytes=16_000)
-    with pytest.raises(ValueError, match="cannot be split automatically: it has a kernel "
-                                         "regularizer"):
-        plan_partition(wide_model(reg=keras.regularizers.L2(1e-3)), cpu_devices[:3],
-                       device_budget_bytes=30_000)
-    conv = keras.Sequential([keras.Input((8, 8, 64)), keras.layers.Conv2D(64, 3, name="conv"),
-                             keras.layers.Flatten(), keras.layers.Dense(2)])
+    with pytest.raises(
+        ValueError, match="cannot be split automatically: it has a kernel regularizer"
+    ):
+        plan_partition(
+            wide_model(reg=keras.regularizers.L2(1e-3)), cpu_devices[:3], device_budget_bytes=30_000
+        )
+    conv = keras.Sequential(
+        [
+            keras.Input((8, 8, 64)),
+            keras.layers.Conv2D(64, 3, name="conv"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
     with pytest.raises(ValueError, match="'conv' needs 147,712 .* it is a Conv2D"):
         plan_partition(conv, cpu_devices[:3], device_budget_bytes=100_000)
     inputs = keras.Input((64,))
@@ -547,8 +607,9 @@ def test_plan_errors_for_layers_that_cannot_fit(cpu_devices):
     with pytest.raises(ValueError, match="not a Sequential model.*ColumnParallelDense"):
         plan_partition(functional, cpu_devices[:2], device_budget_bytes=30_000)
     # Through the strategy the error comes when fit places the model, before any step.
-    strategy = ModelParallelStrategy(cpu_devices[:3], device_budget_bytes=30_000,
-                                     split_large_layers=False)
+    strategy = ModelParallelStrategy(
+        cpu_devices[:3], device_budget_bytes=30_000, split_large_layers=False
+    )
     model = built(strategy, wide_model)
     x, y = digits(32)
     with pytest.raises(ValueError, match="'big' needs 39,600 parameter bytes"):
@@ -561,7 +622,7 @@ def merged_shard_grads(model, grads):
     out, i = [], 0
     for layer in model.layers:
         n = len(layer.trainable_weights)
-        mine = [g.numpy() for g in grads[i:i + n]]
+        mine = [g.numpy() for g in grads[i : i + n]]
         i += n
         if isinstance(layer, ColumnParallelDense):
             out += [np.concatenate(mine[0::2], axis=1), np.concatenate(mine[1::2])]
@@ -572,8 +633,9 @@ def merged_shard_grads(model, grads):
 
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_strategy_splits_a_large_dense_automatically(cpu_devices, tmp_path, microbatches):
-    strategy = ModelParallelStrategy(cpu_devices[:3], device_budget_bytes=30_000,
-                                     microbatches=microbatches)
+    strategy = ModelParallelStrategy(
+        cpu_devices[:3], device_budget_bytes=30_000, microbatches=microbatches
+    )
     model = built(strategy, wide_model)
     reference = keras.models.clone_model(model)  # the unsplit Dense, same weights
     reference.set_weights(model.get_weights())
@@ -633,8 +695,11 @@ def test_strategy_splits_a_large_dense_automatically(cpu_devices, tmp_path, micr
 
 
 def _gradient_ops(graph, types=("MatMul", "BiasAddGrad", "ReluGrad")):
-    return [op for op in graph.get_operations()
-            if op.type in types and op.name.startswith("gradient_tape/")]
+    return [
+        op
+        for op in graph.get_operations()
+        if op.type in types and op.name.startswith("gradient_tape/")
+    ]
 
 
 def _layer_of(op, names):
@@ -650,10 +715,15 @@ def test_backward_ops_follow_stages_when_variables_stay_put(cpu_devices, scoped)
     """``apply_plan(place_variables=False)`` + a Downpour-style step: parameters are
     read into tensors, the model runs in a StatelessScope, one tape.gradient call."""
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([
-        keras.Input((20,)), keras.layers.Dense(16, activation="relu", name="l0"),
-        keras.layers.Dense(16, activation="relu", name="l1"),
-        keras.layers.Dense(16, activation="relu", name="l2"), keras.layers.Dense(10, name="l3")])
+    model = keras.Sequential(
+        [
+            keras.Input((20,)),
+            keras.layers.Dense(16, activation="relu", name="l0"),
+            keras.layers.Dense(16, activation="relu", name="l1"),
+            keras.layers.Dense(16, activation="relu", name="l2"),
+            keras.layers.Dense(10, name="l3"),
+        ]
+    )
     model.compile("sgd", LOSS)
     before = placement_report(model)
     plan = plan_partition(model, cpu_devices[1:3])
@@ -667,15 +737,15 @@ def test_backward_ops_follow_stages_when_variables_stay_put(cpu_devices, scoped)
         with tf.GradientTape() as tape:
             tape.watch(params)
             with keras.StatelessScope(state_mapping=list(zip(trainable, params))):
-                loss = model._compute_loss(x=x, y=y, y_pred=model(x, training=True),
-                                           training=True)
+                loss = model._compute_loss(x=x, y=y, y_pred=model(x, training=True), training=True)
         if scoped:
             with stage_gradients():
                 return tape.gradient(loss, params)
         return tape.gradient(loss, params)
 
-    graph = step.get_concrete_function(tf.TensorSpec((None, 20)),
-                                       tf.TensorSpec((None,), tf.int32)).graph
+    graph = step.get_concrete_function(
+        tf.TensorSpec((None, 20)), tf.TensorSpec((None,), tf.int32)
+    ).graph
     ops = _gradient_ops(graph)
     names = set(plan.layer_devices)
     assert len(ops) == 2 * 4 - 1 + 4 + 3  # d(kernel), d(input) but the first's, biases, relus
@@ -754,17 +824,20 @@ def test_subclassed_model_built_inside_fit_is_created_and_run_on_its_stages(cpu_
     with creations() as log:
         history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
     plan = strategy.plan
-    assert plan.layer_devices == {"d1": cpu_devices[0], "d2": cpu_devices[1],
-                                  "head": cpu_devices[1]}
+    assert plan.layer_devices == {
+        "d1": cpu_devices[0],
+        "d2": cpu_devices[1],
+        "head": cpu_devices[1],
+    }
     assert_created_on_their_stages(log, model, plan)
     assert history.history["loss"][-1] < history.history["loss"][0]
     # Forward and backward matmuls of each sub-layer run on its stage's device.
-    ops = [op for op in _step_graph(strategy, model, (64,)).get_operations()
-           if op.type == "MatMul"]
+    ops = [op for op in _step_graph(strategy, model, (64,)).get_operations() if op.type == "MatMul"]
     assert len(ops) == 3 * 3 - 1
     for op in ops:
-        assert same_device(op.device, plan.device_of(_layer_of(op, set(plan.layer_devices)))), \
+        assert same_device(op.device, plan.device_of(_layer_of(op, set(plan.layer_devices)))), (
             op.name
+        )
     assert model.evaluate(x, y, verbose=0) < history.history["loss"][0]
     assert model.predict(x[:4], verbose=0).shape == (4, 10)
 
@@ -778,10 +851,11 @@ def test_subclassed_model_with_microbatches_evaluates_predicts_and_refuses_fit(c
     assert np.isfinite(model.evaluate(x, y, verbose=0))
     assert model.predict(x[:4], verbose=0).shape == (4, 10)
     weights = [w.numpy() for w in model.weights]
-    for train in (lambda: model.fit(x, y, epochs=1, verbose=0),
-                  lambda: model.train_on_batch(x, y)):
-        with pytest.raises(ValueError, match="microbatches=2 cannot train model .* is a "
-                                             "subclassed model .* microbatches=1"):
+    for train in (lambda: model.fit(x, y, epochs=1, verbose=0), lambda: model.train_on_batch(x, y)):
+        with pytest.raises(
+            ValueError,
+            match="microbatches=2 cannot train model .* is a subclassed model .* microbatches=1",
+        ):
             train()
     assert model.train_function is None  # refused before anything ran
     for w, before in zip(model.weights, weights):
@@ -805,16 +879,18 @@ def two_input_model():
     ha = keras.layers.Dense(32, activation="relu", name="ha")(a)
     hb = keras.layers.Dense(32, activation="relu", name="hb")(b)
     h = keras.layers.Dense(32, activation="relu", name="h")(
-        keras.layers.Concatenate(name="cat")([ha, hb]))
-    return keras.Model([a, b], keras.layers.Dense(10, name="out")(
-        keras.layers.Add(name="skip")([h, ha])))
+        keras.layers.Concatenate(name="cat")([ha, hb])
+    )
+    return keras.Model(
+        [a, b], keras.layers.Dense(10, name="out")(keras.layers.Add(name="skip")([h, ha]))
+    )
 
 
-@pytest.mark.parametrize("make,split_inputs", [(branching_model, False),
-                                               (two_input_model, True)])
+@pytest.mark.parametrize("make,split_inputs", [(branching_model, False), (two_input_model, True)])
 @pytest.mark.parametrize("microbatches", [1, 3])
 def test_pipelined_gradients_of_branching_functional_models_match(
-        cpu_devices, make, split_inputs, microbatches):
+    cpu_devices, make, split_inputs, microbatches
+):
     from tfdist_ext.model_parallel import _pipeline
 
     strategy = ModelParallelStrategy(cpu_devices[:3], microbatches=microbatches)
@@ -823,8 +899,7 @@ def test_pipelined_gradients_of_branching_functional_models_match(
     x, y = digits(32)
     if split_inputs:
         x = [x[:, :40], x[:, 40:]]
-    fn = tf.function(lambda x, y: microbatch_gradients(model, strategy.plan, (x, y),
-                                                       microbatches))
+    fn = tf.function(lambda x, y: microbatch_gradients(model, strategy.plan, (x, y), microbatches))
     loss, _, grads = fn(tf.nest.map_structure(tf.constant, x), tf.constant(y))
     ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
@@ -841,17 +916,23 @@ def test_keras_masks_cross_stage_cuts(cpu_devices, microbatches):
     """Embedding(mask_zero=True) on one stage, the masked pooling on the next."""
     partition = {"emb": cpu_devices[0], "pool": cpu_devices[1], "out": cpu_devices[1]}
     strategy = ModelParallelStrategy(cpu_devices[:2], partition, microbatches=microbatches)
-    model = built(strategy, lambda: keras.Sequential([
-        keras.Input((10,), dtype="int32"),
-        keras.layers.Embedding(50, 8, mask_zero=True, name="emb"),
-        keras.layers.GlobalAveragePooling1D(name="pool"), keras.layers.Dense(10, name="out")]))
+    model = built(
+        strategy,
+        lambda: keras.Sequential(
+            [
+                keras.Input((10,), dtype="int32"),
+                keras.layers.Embedding(50, 8, mask_zero=True, name="emb"),
+                keras.layers.GlobalAveragePooling1D(name="pool"),
+                keras.layers.Dense(10, name="out"),
+            ]
+        ),
+    )
     strategy.place(model)
     rng = np.random.default_rng(0)
     x = rng.integers(1, 50, (16, 10)).astype("int32")
     x[:, 6:] = 0  # padding the mask hides
     y = rng.integers(0, 10, 16).astype("int32")
-    fn = tf.function(lambda a, b: microbatch_gradients(model, strategy.plan, (a, b),
-                                                       microbatches))
+    fn = tf.function(lambda a, b: microbatch_gradients(model, strategy.plan, (a, b), microbatches))
     loss, _, grads = fn(tf.constant(x), tf.constant(y))
     ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
     np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
@@ -896,9 +977,9 @@ def test_a_custom_train_step_runs(cpu_devices, microbatches):
     strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=microbatches)
     keras.utils.set_random_seed(0)
     with strategy.scope():
-        model = CountingSequential([keras.Input((64,)),
-                                    keras.layers.Dense(32, activation="relu"),
-                                    keras.layers.Dense(10)])
+        model = CountingSequential(
+            [keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)]
+        )
         model.compile(keras.optimizers.SGD(0.1))
     x, y = digits(128)
     with warnings.catch_warnings(record=True) as caught:
@@ -914,8 +995,9 @@ def test_a_custom_train_step_runs(cpu_devices, microbatches):
 
 
 @pytest.mark.parametrize("lazy", [False, True])
-@pytest.mark.parametrize("entry", ["fit", "evaluate", "predict", "train_on_batch",
-                                   "test_on_batch", "predict_on_batch"])
+@pytest.mark.parametrize(
+    "entry", ["fit", "evaluate", "predict", "train_on_batch", "test_on_batch", "predict_on_batch"]
+)
 def test_any_keras_entry_point_places_the_model(cpu_devices, entry, lazy):
     """The first Keras call of a model places it, whichever it is; a model built
     by that call (no Input) is created on its stages."""

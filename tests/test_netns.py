@@ -77,15 +77,19 @@ def test_link_rate_both_directions(bandwidth, bits):
     # this process (the chief, in the hub) and a task in its own namespace.
     nbytes = int(bits * 1.25 / 8)
     ideal = nbytes * 8 / bits
-    cluster = LocalCluster(num_workers=1, num_ps=0, chief=False, bandwidth=bandwidth,
-                           command=[sys.executable, "-c", SINK])
+    cluster = LocalCluster(
+        num_workers=1,
+        num_ps=0,
+        chief=False,
+        bandwidth=bandwidth,
+        command=[sys.executable, "-c", SINK],
+    )
     with cluster:
         upload, download = _transfer_times(cluster.address("worker", 0), nbytes)
         assert cluster.wait(timeout=30) == {"worker:0": 0}
     for direction, seconds in (("chief->task", upload), ("task->chief", download)):
         assert abs(seconds / ideal - 1) < 0.25, (
-            f"{direction}: {nbytes} bytes at {bandwidth} took {seconds:.2f}s, "
-            f"ideal {ideal:.2f}s"
+            f"{direction}: {nbytes} bytes at {bandwidth} took {seconds:.2f}s, ideal {ideal:.2f}s"
         )
 
 
@@ -94,7 +98,8 @@ def test_link_rate_both_directions(bandwidth, bits):
 def test_tensorflow_transfer_between_tasks_at_link_rate(script):
     # A 10 MB variable on /job:ps read by an op on /job:worker crosses the
     # ps task's link and the worker's (both at 100 Mbit/s): 0.84 s of bytes.
-    proc = script("""
+    proc = script(
+        """
         import json, time
         import tensorflow as tf
         from tfdist_ext.cluster import LocalCluster, connect
@@ -119,9 +124,11 @@ def test_tensorflow_transfer_between_tasks_at_link_rate(script):
             pull(small).numpy()
             overhead = time.monotonic() - start
         print("RESULT " + json.dumps({"times": times, "overhead": overhead}), flush=True)
-    """, timeout=220)
+    """,
+        timeout=220,
+    )
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    r = json.loads(line[len("RESULT "):])
+    r = json.loads(line[len("RESULT ") :])
     ideal = 2_621_440 * 4 * 8 / 100e6
     seconds = sorted(r["times"])[1] - r["overhead"]
     assert abs(seconds / ideal - 1) < 0.25, (r, ideal)
@@ -157,13 +164,18 @@ def test_isolated_ports_do_not_listen_in_the_host_namespace():
             print("SPEC " + json.dumps({"spec": spec, "answered": answered}), flush=True)
             sys.stdin.readline()
     """)
-    chief = subprocess.Popen([sys.executable, "-c", source], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True, cwd=REPO,
-                             env=dict(os.environ, PYTHONPATH=REPO))
+    chief = subprocess.Popen(
+        [sys.executable, "-c", source],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO),
+    )
     try:
         line = chief.stdout.readline()
         assert line.startswith("SPEC "), line
-        r = json.loads(line[len("SPEC "):])
+        r = json.loads(line[len("SPEC ") :])
         addresses = [a for addrs in r["spec"].values() for a in addrs]
         assert all(a.startswith("10.213.") for a in addresses)
         assert all(r["answered"][a] for a in addresses)
@@ -201,7 +213,7 @@ def _net_namespaces():
 def _gone(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] == "Z"   # a zombie is gone
+            return f.read().split()[2] == "Z"  # a zombie is gone
     except OSError:
         return True
 
@@ -238,13 +250,18 @@ def test_kill_9_of_the_chief_mid_fit_leaves_nothing(tmp_path):
         model.fit(ds, epochs=1000, steps_per_epoch=100, verbose=0, callbacks=[Announce()])
     """)
     links_before = _host_links()
-    chief = subprocess.Popen([sys.executable, "-c", source], stdout=subprocess.PIPE,
-                             text=True, stdin=subprocess.DEVNULL, cwd=REPO,
-                             env=dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp_path)))
+    chief = subprocess.Popen(
+        [sys.executable, "-c", source],
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=REPO, TMPDIR=str(tmp_path)),
+    )
     try:
         line = chief.stdout.readline()
         assert line.startswith("FITTING "), line
-        pids_text, namespaces_text = line[len("FITTING "):].split(" | ")
+        pids_text, namespaces_text = line[len("FITTING ") :].split(" | ")
         pids = [int(p) for p in pids_text.split()]
         namespaces = set(namespaces_text.split())
         assert len(pids) == 3 and len(namespaces) == 4
@@ -278,9 +295,20 @@ def test_bad_bandwidth_is_refused_at_construction():
 
 def _run_unprivileged(user_args, source):
     return subprocess.run(
-        ["setpriv", *user_args, "--inh-caps=-all", "--bounding-set=-all",
-         sys.executable, "-c", textwrap.dedent(source)],
-        capture_output=True, text=True, timeout=110, cwd="/", check=False,
+        [
+            "setpriv",
+            *user_args,
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            sys.executable,
+            "-c",
+            textwrap.dedent(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        cwd="/",
+        check=False,
         env=dict(os.environ, PYTHONPATH=REPO, HOME="/", TF_CPP_MIN_LOG_LEVEL="2"),
     )
 
@@ -289,7 +317,9 @@ def _run_unprivileged(user_args, source):
 def test_without_privileges_isolation_is_refused_at_construction():
     if os.geteuid() != 0:
         pytest.skip("needs root to switch to the unprivileged user")
-    proc = _run_unprivileged(["--reuid=65534", "--regid=65534", "--clear-groups"], """
+    proc = _run_unprivileged(
+        ["--reuid=65534", "--regid=65534", "--clear-groups"],
+        """
         from tfdist_ext.cluster import ClusterError, LocalCluster
         for kwargs in ({"isolated": True}, {"bandwidth": "100mbit"}):
             try:
@@ -297,7 +327,8 @@ def test_without_privileges_isolation_is_refused_at_construction():
             except ClusterError as e:
                 print("REFUSED", kwargs, e, flush=True)
         print("DEFAULT isolated:", LocalCluster(num_workers=1, num_ps=0).isolated, flush=True)
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     refusals = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
     assert len(refusals) == 2, proc.stdout
@@ -311,7 +342,9 @@ def test_a_loopback_cluster_warns_once_naming_its_ports():
     # Root without capabilities: the tasks can start, the isolation cannot.
     if os.geteuid() != 0:
         pytest.skip("needs root to drop the capabilities")
-    proc = _run_unprivileged([], """
+    proc = _run_unprivileged(
+        [],
+        """
         import logging
         from tfdist_ext.cluster import LocalCluster
         logging.basicConfig(format="LOG %(message)s")
@@ -321,11 +354,12 @@ def test_a_loopback_cluster_warns_once_naming_its_ports():
         with LocalCluster(num_workers=1, num_ps=0):
             pass
         print("DONE", flush=True)
-    """)
+    """,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     port = re.search(r"PORT (\d+)", proc.stdout).group(1)
     warnings = [l for l in proc.stderr.splitlines() if "SECURITY.md" in l]
-    assert len(warnings) == 1, proc.stderr   # one per process, not per cluster
+    assert len(warnings) == 1, proc.stderr  # one per process, not per cluster
     assert port in warnings[0] and "CAP_NET_ADMIN" in warnings[0]
     assert "DONE" in proc.stdout
 
@@ -333,7 +367,8 @@ def test_a_loopback_cluster_warns_once_naming_its_ports():
 @needs_isolation
 @pytest.mark.timeout(200)
 def test_a_process_uses_one_kind_of_cluster_network(script):
-    proc = script("""
+    proc = script(
+        """
         from tfdist_ext.cluster import ClusterError, LocalCluster
         with LocalCluster(num_workers=1, num_ps=0, isolated=True):
             pass
@@ -343,11 +378,16 @@ def test_a_process_uses_one_kind_of_cluster_network(script):
             print("REFUSED", e, flush=True)
         with LocalCluster(num_workers=1, num_ps=0):   # the default follows the first
             print("AGAIN", flush=True)
-    """, timeout=180)
-    assert ("REFUSED LocalCluster: this process already ran a cluster with isolated=True; "
-            "one with isolated=False cannot follow it") in proc.stdout
+    """,
+        timeout=180,
+    )
+    assert (
+        "REFUSED LocalCluster: this process already ran a cluster with isolated=True; "
+        "one with isolated=False cannot follow it"
+    ) in proc.stdout
     assert "new process" in proc.stdout and "AGAIN" in proc.stdout
-    proc = script("""
+    proc = script(
+        """
         from tfdist_ext.cluster import ClusterError, LocalCluster
         with LocalCluster(num_workers=1, num_ps=0, isolated=False):
             pass
@@ -356,10 +396,14 @@ def test_a_process_uses_one_kind_of_cluster_network(script):
             LocalCluster(num_workers=1, num_ps=0, bandwidth="10mbit")
         except ClusterError as e:
             print("REFUSED", e, flush=True)
-    """, timeout=180)
+    """,
+        timeout=180,
+    )
     assert "DEFAULT False" in proc.stdout
-    assert ("REFUSED LocalCluster: this process already ran a cluster with isolated=False; "
-            "one with isolated=True cannot follow it") in proc.stdout
+    assert (
+        "REFUSED LocalCluster: this process already ran a cluster with isolated=False; "
+        "one with isolated=True cannot follow it"
+    ) in proc.stdout
 
 
 # Two workers of a CompressedMultiWorkerMirroredStrategy (a MultiWorkerMirroredStrategy
@@ -390,25 +434,38 @@ MWMS_WORKER = textwrap.dedent("""
 def test_spmd_program_as_the_worker_tasks(tmp_path):
     train = tmp_path / "train.py"
     train.write_text(MWMS_WORKER)
-    cluster = LocalCluster(num_workers=2, num_ps=0, chief=False, bandwidth="1gbit",
-                           command=[sys.executable, str(train)],
-                           env={"PYTHONPATH": REPO})
+    cluster = LocalCluster(
+        num_workers=2,
+        num_ps=0,
+        chief=False,
+        bandwidth="1gbit",
+        command=[sys.executable, str(train)],
+        env={"PYTHONPATH": REPO},
+    )
     with cluster:
         codes = cluster.wait(timeout=240)
         outputs = [cluster.output("worker", i) for i in range(2)]
     assert codes == {"worker:0": 0, "worker:1": 0}, outputs
-    results = [json.loads(l[len("RESULT "):]) for out in outputs
-               for l in out.splitlines() if l.startswith("RESULT ")]
+    results = [
+        json.loads(l[len("RESULT ") :])
+        for out in outputs
+        for l in out.splitlines()
+        if l.startswith("RESULT ")
+    ]
     assert [r["task"]["index"] for r in results] == [0, 1]
-    assert results[0]["kernel"] == results[1]["kernel"]   # replicas in sync
+    assert results[0]["kernel"] == results[1]["kernel"]  # replicas in sync
     assert results[0]["loss"][-1] < results[0]["loss"][0]
 
 
 @needs_isolation
 @pytest.mark.timeout(60)
 def test_wait_has_a_deadline():
-    cluster = LocalCluster(num_workers=1, num_ps=0, chief=False,
-                           command=[sys.executable, "-c", "import time; time.sleep(60)"])
+    cluster = LocalCluster(
+        num_workers=1,
+        num_ps=0,
+        chief=False,
+        command=[sys.executable, "-c", "import time; time.sleep(60)"],
+    )
     with cluster:
         start = time.monotonic()
         with pytest.raises(ClusterError, match="worker:0 still runs after 1s"):

@@ -18,8 +18,9 @@ def _fit_warnings(strategy, **fit_kwargs):
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-        model.compile(keras.optimizers.SGD(0.1),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model.fit(data, epochs=2, verbose=0, **fit_kwargs)
@@ -37,7 +38,9 @@ def test_fit_on_a_dataset_under_our_strategy_does_not_warn_about_shuffle(cpu_dev
 
 @pytest.mark.timeout(240)
 def test_lbfgs_progress_at_verbose_1_and_silence_at_verbose_0(script):
-    proc = script(PRELUDE + r"""
+    proc = script(
+        PRELUDE
+        + r"""
 with LocalCluster(num_workers=1, num_ps=1) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver)
     with strategy.scope():
@@ -60,7 +63,9 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
     except ValueError as e:
         bad = str(e)
     report(loss=r.fun, bad=bad)
-""", timeout=220)
+""",
+        timeout=220,
+    )
     out = proc.stdout
     silent = out.split("SILENT-START\n")[1].split("SILENT-END")[0]
     assert silent == "", silent

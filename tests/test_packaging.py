@@ -19,7 +19,7 @@ def _setup_cfg():
 def test_setup_cfg_takes_the_version_from_the_package():
     config = configparser.ConfigParser()
     config.read(os.path.join(REPO, "setup.cfg"))
-    assert config["metadata"]["version"] == "attr: tfdist_ext.__version__"   # not a second copy
+    assert config["metadata"]["version"] == "attr: tfdist_ext.__version__"  # not a second copy
     assert _setup_cfg()["metadata"]["version"] == tfdist_ext.__version__
 
 
@@ -49,7 +49,8 @@ def test_py_typed_is_shipped():
 
 
 def test_import_without_tensorflow_names_the_extras(script):
-    proc = script("""
+    proc = script(
+        """
         import sys
         sys.modules["tensorflow"] = None   # as if TensorFlow were not installed
         try:
@@ -58,21 +59,30 @@ def test_import_without_tensorflow_names_the_extras(script):
             print(e)
         else:
             raise SystemExit("tfdist_ext imported without TensorFlow")
-    """, timeout=60)
+    """,
+        timeout=60,
+    )
     message = proc.stdout
     assert "needs TensorFlow 2.21" in message
     for extra in ("tfdist_ext[cpu]", "tfdist_ext[and-cuda]", "tfdist_ext[tensorflow]"):
         assert extra in message
 
 
-@pytest.mark.parametrize("blocked, call, extra", [
-    ("sklearn", "datasets.digits('train', as_numpy=True)", "tfdist_ext[data]"),
-    ("mnist1d", "datasets.mnist1d('train', as_numpy=True)", "tfdist_ext[data]"),
-    ("tensorflow_datasets", "datasets.from_tfds('mnist', data_dir='/nonexistent')",
-     "tfdist_ext[tfds]"),
-])
+@pytest.mark.parametrize(
+    "blocked, call, extra",
+    [
+        ("sklearn", "datasets.digits('train', as_numpy=True)", "tfdist_ext[data]"),
+        ("mnist1d", "datasets.mnist1d('train', as_numpy=True)", "tfdist_ext[data]"),
+        (
+            "tensorflow_datasets",
+            "datasets.from_tfds('mnist', data_dir='/nonexistent')",
+            "tfdist_ext[tfds]",
+        ),
+    ],
+)
 def test_a_data_set_without_its_extra_names_the_extra(script, blocked, call, extra):
-    proc = script(f"""
+    proc = script(
+        f"""
         import sys
         sys.modules[{blocked!r}] = None   # as if the package were not installed
         from tfdist_ext import datasets
@@ -82,6 +92,8 @@ def test_a_data_set_without_its_extra_names_the_extra(script, blocked, call, ext
             print(e)
         else:
             raise SystemExit("loaded without {blocked}")
-    """, timeout=120)
+    """,
+        timeout=120,
+    )
     assert f"'{blocked}' package" in proc.stdout
     assert f"pip install '{extra}'" in proc.stdout

@@ -15,6 +15,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
 
+
 def python_blocks(text):
     """``(section slug, code)`` for each ```python block, in order."""
     blocks, section = [], "top"
@@ -45,9 +46,14 @@ def test_readme_block_runs_as_written(code, tmp_path):
     (tmp_path / "block.py").write_text(code)
     try:
         proc = subprocess.run(
-            [sys.executable, "block.py"], cwd=tmp_path, capture_output=True, text=True,
-            timeout=270, stdin=subprocess.DEVNULL,
-            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"))
+            [sys.executable, "block.py"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=270,
+            stdin=subprocess.DEVNULL,
+            env=dict(os.environ, PYTHONPATH=REPO, TF_CPP_MIN_LOG_LEVEL="2"),
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the block did not end within 270 s\nstderr:\n{e.stderr}")
     assert proc.returncode == 0, proc.stderr[-6000:]

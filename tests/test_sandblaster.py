@@ -61,17 +61,21 @@ def report(**values):
 def _result(proc):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 # ---------------------------------------------------------------- pure Python
 
-@pytest.mark.parametrize("phi, f0, g0, step", [
-    (lambda a: ((a - 2.0) ** 2, 2.0 * (a - 2.0)), 4.0, -4.0, 1.0),         # extrapolate
-    (lambda a: ((a - 0.01) ** 2, 2.0 * (a - 0.01)), 1e-4, -0.02, 1.0),     # zoom back
-    (lambda a: (math.exp(a) - 3.0 * a, math.exp(a) - 3.0), 1.0, -2.0, 1e-3),
-    (lambda a: (a ** 4 - a, 4.0 * a ** 3 - 1.0), 0.0, -1.0, 50.0),         # far overshoot
-])
+
+@pytest.mark.parametrize(
+    "phi, f0, g0, step",
+    [
+        (lambda a: ((a - 2.0) ** 2, 2.0 * (a - 2.0)), 4.0, -4.0, 1.0),  # extrapolate
+        (lambda a: ((a - 0.01) ** 2, 2.0 * (a - 0.01)), 1e-4, -0.02, 1.0),  # zoom back
+        (lambda a: (math.exp(a) - 3.0 * a, math.exp(a) - 3.0), 1.0, -2.0, 1e-3),
+        (lambda a: (a**4 - a, 4.0 * a**3 - 1.0), 0.0, -1.0, 50.0),  # far overshoot
+    ],
+)
 @pytest.mark.parametrize("c2", [0.9, 0.1])
 def test_line_search_meets_strong_wolfe(phi, f0, g0, step, c2):
     calls = []
@@ -152,7 +156,8 @@ def test_strategy_argument_errors():
     import tfdist_ext
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
-        tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]}), task_type="chief", task_id=0)
+        tf.train.ClusterSpec({"worker": ["127.0.0.1:1"]}), task_type="chief", task_id=0
+    )
     for kwargs, message in [
         (dict(slices_per_worker=0), "slices_per_worker must be an integer >= 1"),
         (dict(max_copies=1), "max_copies must be an integer >= 2"),
@@ -166,9 +171,13 @@ def test_strategy_argument_errors():
 
 # ---------------------------------------------------------------- on a cluster
 
+
 def test_fit_matches_scipy_lbfgs_b(script, tmp_path):
     """Keras fit on digits (sharded kernel on 2 ps) reaches SciPy's optimum; metrics, save/load."""
-    proc = script(PRELUDE + f"path = {str(tmp_path / 'fit.keras')!r}\n" + r"""
+    proc = script(
+        PRELUDE
+        + f"path = {str(tmp_path / 'fit.keras')!r}\n"
+        + r"""
 ref = scipy_reference(x, y)
 with LocalCluster(num_workers=2, num_ps=2) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, min_shard_bytes=1024)
@@ -199,7 +208,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
            loaded_optimizer=type(loaded.optimizer).__name__,
            loaded_same=bool(np.allclose(loaded.predict(x[:20], verbose=0),
                                         model.predict(x[:20], verbose=0), atol=1e-5)))
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     assert r["first"] == 40 and r["status"] == 0, r
     assert r["sharded"] == "ShardedVariable"
@@ -210,8 +221,17 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     assert abs(r["accuracy"] - r["np_accuracy"]) < 1e-6
     assert abs(r["evaluate"]["loss"] - r["fun"]) < 1e-4
     assert r["converged"] == 1.0
-    for key in ("loss", "accuracy", "grad_max", "step_size", "function_evals",
-                "coordinator_bytes", "backup_slices", "wasted_slices", "converged"):
+    for key in (
+        "loss",
+        "accuracy",
+        "grad_max",
+        "step_size",
+        "function_evals",
+        "coordinator_bytes",
+        "backup_slices",
+        "wasted_slices",
+        "converged",
+    ):
         assert key in r["keys"], key
     # Scalars only: under 1 kB per pass (20 slices' results, probe and
     # commit scalars); the kernel alone is 2,560 bytes.
@@ -222,7 +242,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
 
 def test_backups_stragglers_and_a_killed_worker_keep_results_exact(script):
     """Backup copies beat a throttled worker, a killed worker's slices are redone; identical iterates."""
-    proc = script(PRELUDE + r"""
+    proc = script(
+        PRELUDE
+        + r"""
 with LocalCluster(num_workers=3, num_ps=1) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, slices_per_worker=4, deadline=30)
     with strategy.scope():
@@ -254,7 +276,9 @@ with LocalCluster(num_workers=3, num_ps=1) as cluster:
            lost=sorted({w for p in after for w in p.lost_workers}),
            last_per_worker=after[-1].slices_per_worker,
            loss_now=float(numpy_loss(w.numpy(), b.numpy())), fun=killed.fun)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # Every pass counted each of its 12 slices exactly once.
     assert set(r["slices"]) == {12} and r["counted"] == r["slices"]
@@ -268,7 +292,9 @@ with LocalCluster(num_workers=3, num_ps=1) as cluster:
 
 
 def test_nan_stops_with_the_iteration_and_keeps_good_parameters(script):
-    proc = script(PRELUDE + r"""
+    proc = script(
+        PRELUDE
+        + r"""
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, slices_per_worker=2)
     with strategy.scope():
@@ -298,7 +324,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
            loss_now=float(numpy_loss(w.numpy(), b.numpy())),
            norm=float(np.linalg.norm(w.numpy())), message2=message2,
            w2_untouched=bool(np.all(w2.numpy() == 1.0)))
-""", timeout=240)
+""",
+        timeout=240,
+    )
     r = _result(proc)
     assert r["message"] and "NaN or Inf" in r["message"], r
     assert f"iteration {r['iterations'] + 1}" in r["message"]
@@ -310,7 +338,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 
 def test_a_stuck_worker_without_backups_fails_at_the_deadline(script):
-    proc = script(PRELUDE + r"""
+    proc = script(
+        PRELUDE
+        + r"""
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, backup_tasks=False,
                                               slices_per_worker=2, deadline=5)
@@ -326,14 +356,18 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         error = str(e)
     report(error=error, seconds=time.time() - t0)
     os.kill(cluster.pid("worker", 1), signal.SIGCONT)
-""", timeout=120)
+""",
+        timeout=120,
+    )
     r = _result(proc)
     assert r["error"] and "no slice finished for 5 s" in r["error"], r
     assert r["seconds"] < 30
 
 
 def test_bad_inputs_are_clear_errors(script):
-    proc = script(PRELUDE + r"""
+    proc = script(
+        PRELUDE
+        + r"""
 errors = {}
 def catch(name, fn):
     try:
@@ -367,7 +401,9 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         loss_fn, [w, b], tf.data.Dataset.from_tensor_slices((x, y)).batch(100),
         strategy=strategy, max_iterations=5)
     report(errors=errors, f1=r1.fun, f2=r2.fun, nit=r2.nit)
-""", timeout=200)
+""",
+        timeout=200,
+    )
     r = _result(proc)
     e = r["errors"]
     assert "not on a 'ps' task" in e["local"] and "strategy.scope()" in e["local"]

@@ -11,8 +11,11 @@ from tfdist_ext.cluster import TFConfigError
 from tfdist_ext.cluster import parse_tf_config
 
 GOOD = {
-    "cluster": {"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001", "127.0.0.1:2002"],
-                "ps": ["127.0.0.1:2003"]},
+    "cluster": {
+        "chief": ["127.0.0.1:2000"],
+        "worker": ["127.0.0.1:2001", "127.0.0.1:2002"],
+        "ps": ["127.0.0.1:2003"],
+    },
     "task": {"type": "worker", "index": 1},
 }
 
@@ -34,17 +37,20 @@ def _bad(**changes):
     return json.dumps(config)
 
 
-@pytest.mark.parametrize("text, require, field", [
-    ("{not json", (), "not valid JSON"),
-    (_bad(cluster__trainer=["127.0.0.1:1"]), (), "cluster.trainer"),
-    (_bad(task__index=2), (), "task.index"),
-    (_bad(task__index="0"), (), "task.index"),
-    (_bad(task__type="ps2"), (), "task.type"),
-    (_bad(cluster__ps=None), ("ps", "worker"), "cluster.ps"),
-    (_bad(cluster__worker=["localhost"]), (), "cluster.worker[0]"),
-    (_bad(cluster__worker=[]), (), "cluster.worker"),
-    (json.dumps({"task": {"type": "worker"}}), (), "cluster"),
-])
+@pytest.mark.parametrize(
+    "text, require, field",
+    [
+        ("{not json", (), "not valid JSON"),
+        (_bad(cluster__trainer=["127.0.0.1:1"]), (), "cluster.trainer"),
+        (_bad(task__index=2), (), "task.index"),
+        (_bad(task__index="0"), (), "task.index"),
+        (_bad(task__type="ps2"), (), "task.type"),
+        (_bad(cluster__ps=None), ("ps", "worker"), "cluster.ps"),
+        (_bad(cluster__worker=["localhost"]), (), "cluster.worker[0]"),
+        (_bad(cluster__worker=[]), (), "cluster.worker"),
+        (json.dumps({"task": {"type": "worker"}}), (), "cluster"),
+    ],
+)
 def test_errors_name_the_field(text, require, field):
     with pytest.raises(TFConfigError, match=field.replace("[", r"\[").replace("]", r"\]")):
         parse_tf_config(text, require_jobs=require)
@@ -57,17 +63,24 @@ def test_missing_environment_variable(monkeypatch):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("text, args, field", [
-    ("{bad", [], "not valid JSON"),
-    (_bad(cluster__evaluatr=["127.0.0.1:1"]), [], "cluster.evaluatr"),
-    (_bad(task__index=7), [], "task.index"),
-    (_bad(cluster__ps=None), ["--strategy", "ps"], "cluster.ps"),
-])
+@pytest.mark.parametrize(
+    "text, args, field",
+    [
+        ("{bad", [], "not valid JSON"),
+        (_bad(cluster__evaluatr=["127.0.0.1:1"]), [], "cluster.evaluatr"),
+        (_bad(task__index=7), [], "task.index"),
+        (_bad(cluster__ps=None), ["--strategy", "ps"], "cluster.ps"),
+    ],
+)
 def test_server_cli_one_line_exit_2(text, args, field):
     env = dict(os.environ, TF_CONFIG=text)
     proc = subprocess.run(
         [sys.executable, "-m", "tfdist_ext.server", *args],
-        capture_output=True, text=True, env=env, timeout=50, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -82,7 +95,11 @@ def test_console_script_dispatches_to_server():
     env = dict(os.environ, TF_CONFIG="[]")
     proc = subprocess.run(
         [sys.executable, "-m", "tfdist_ext.cli", "server"],
-        capture_output=True, text=True, env=env, timeout=50, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=50,
+        stdin=subprocess.DEVNULL,
     )
     assert proc.returncode == 2
     assert "TF_CONFIG must be a JSON object" in proc.stderr

@@ -13,6 +13,8 @@ def test_tutorial_01_downpour_runs(tutorial):
     downpour = float(out.split("held-out accuracy ")[1].split()[0])
     assert downpour > 0.8
     verdict = out.rstrip().splitlines()[-1]
-    assert verdict.startswith("VERDICT: Downpour within 2 points of single-process Keras at "
-                              "the same steps: yes (quick run"), verdict
+    assert verdict.startswith(
+        "VERDICT: Downpour within 2 points of single-process Keras at "
+        "the same steps: yes (quick run"
+    ), verdict
     assert "python -m benchmarks.run downpour" in verdict

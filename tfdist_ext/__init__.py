@@ -34,8 +34,17 @@ from tfdist_ext import cluster
 from tfdist_ext import datasets
 from tfdist_ext.cluster import LocalCluster
 
-_SUBPACKAGES = ("callbacks", "compression", "downpour", "layers", "model_parallel",
-                "optimizers", "recipes", "sandblaster", "schedules")
+_SUBPACKAGES = (
+    "callbacks",
+    "compression",
+    "downpour",
+    "layers",
+    "model_parallel",
+    "optimizers",
+    "recipes",
+    "sandblaster",
+    "schedules",
+)
 _NAMES = {
     "DownpourStrategy": "tfdist_ext.downpour",
     "SandblasterStrategy": "tfdist_ext.sandblaster",

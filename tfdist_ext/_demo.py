@@ -13,11 +13,13 @@ import time
 
 
 def _model(keras):
-    model = keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
     model.compile(
         optimizer=keras.optimizers.Adagrad(0.05),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -57,8 +59,10 @@ def main(argv=None):
         train = datasets.digits("train", flatten=True).shuffle(2048, seed=args.seed)
         train = train.batch(32).repeat()
         test = datasets.digits("test", flatten=True).batch(150)
-        print(f"== Downpour SGD, Keras model.fit: {args.epochs} epochs x {args.steps} steps, "
-              f"n_fetch = n_push = {args.n}, Adagrad on the ps, digits (seed {args.seed})")
+        print(
+            f"== Downpour SGD, Keras model.fit: {args.epochs} epochs x {args.steps} steps, "
+            f"n_fetch = n_push = {args.n}, Adagrad on the ps, digits (seed {args.seed})"
+        )
         keras.utils.set_random_seed(args.seed)
         with strategy.scope():
             model = _model(keras)
@@ -76,17 +80,25 @@ def main(argv=None):
         baseline = baseline_model.evaluate(test, verbose=0)[1]
 
         print("== held-out accuracy on 450 digits")
-        print(f"   Downpour, 2 async workers : {downpour:.4f}  ({downpour_seconds:.1f}s, "
-              f"staleness mean {stats['staleness_mean']:.2f} max {stats['staleness_max']:.0f}, "
-              f"steps per worker {dict(sorted(strategy.stats.steps_per_worker.items()))})")
-        print(f"   single-process Keras      : {baseline:.4f}  ({baseline_seconds:.1f}s, same steps)")
+        print(
+            f"   Downpour, 2 async workers : {downpour:.4f}  ({downpour_seconds:.1f}s, "
+            f"staleness mean {stats['staleness_mean']:.2f} max {stats['staleness_max']:.0f}, "
+            f"steps per worker {dict(sorted(strategy.stats.steps_per_worker.items()))})"
+        )
+        print(
+            f"   single-process Keras      : {baseline:.4f}  ({baseline_seconds:.1f}s, same steps)"
+        )
         step_ms = 1000 * baseline_seconds / (args.epochs * args.steps)
-        print(f"   why Downpour is slower here: the ps round trips every {args.n} steps over loopback "
-              f"gRPC, 4 processes on 2 cores, for a {step_ms:.1f} ms step (and the cluster's "
-              f"{startup_seconds:.1f}s start, not counted); Downpour pays off when a step's compute "
-              "is large and the network link is the limit (python -m benchmarks.run downpour).")
-        print(f"   what this shows: 2 worker processes train one Keras model asynchronously through "
-              f"model.fit (staleness mean {stats['staleness_mean']:.2f}, max "
-              f"{stats['staleness_max']:.0f}) to the accuracy of one process "
-              f"({downpour:.3f} vs {baseline:.3f}).")
+        print(
+            f"   why Downpour is slower here: the ps round trips every {args.n} steps over loopback "
+            f"gRPC, 4 processes on 2 cores, for a {step_ms:.1f} ms step (and the cluster's "
+            f"{startup_seconds:.1f}s start, not counted); Downpour pays off when a step's compute "
+            "is large and the network link is the limit (python -m benchmarks.run downpour)."
+        )
+        print(
+            f"   what this shows: 2 worker processes train one Keras model asynchronously through "
+            f"model.fit (staleness mean {stats['staleness_mean']:.2f}, max "
+            f"{stats['staleness_max']:.0f}) to the accuracy of one process "
+            f"({downpour:.3f} vs {baseline:.3f})."
+        )
     return 0

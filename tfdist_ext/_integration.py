@@ -121,8 +121,7 @@ def _check_sets(owner, method, attr):
     except (AttributeError, OSError, TypeError):
         source = ""
     if f"self.{attr} =" not in source:
-        _problems.append(f"{owner.__module__}.{owner.__qualname__}.{method} no longer "
-                         f"sets {attr}")
+        _problems.append(f"{owner.__module__}.{owner.__qualname__}.{method} no longer sets {attr}")
 
 
 # -- Keras ------------------------------------------------------------------
@@ -131,20 +130,28 @@ def _check_sets(owner, method, attr):
 (TFOptimizer,) = _import("keras.src.backend.tensorflow.optimizer", "TFOptimizer")
 (global_state,) = _import("keras.src.backend.common", "global_state")
 (train_validation_split,) = _import(
-    "keras.src.trainers.data_adapters.array_slicing", "train_validation_split")
+    "keras.src.trainers.data_adapters.array_slicing", "train_validation_split"
+)
 #: Public since Keras 3.0.
 unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
 
-_TRAINER_ENTRY_POINTS = ("fit", "evaluate", "predict", "train_on_batch", "test_on_batch",
-                         "predict_on_batch")
+_TRAINER_ENTRY_POINTS = (
+    "fit",
+    "evaluate",
+    "predict",
+    "train_on_batch",
+    "test_on_batch",
+    "predict_on_batch",
+)
 if TensorFlowTrainer is not None:
     _check(TensorFlowTrainer, "fit", params=("x", "y", "epochs", "callbacks"))
     for _name in _TRAINER_ENTRY_POINTS[1:]:
         _check(TensorFlowTrainer, _name)
     _check(TensorFlowTrainer, "train_step", params=("data",))
     _check(TensorFlowTrainer, "_get_metrics_result_or_logs", params=("logs",))
-    _check(TensorFlowTrainer, "_compute_loss",
-           params=("x", "y", "y_pred", "sample_weight", "training"))
+    _check(
+        TensorFlowTrainer, "_compute_loss", params=("x", "y", "y_pred", "sample_weight", "training")
+    )
     _check(TensorFlowTrainer, "compute_metrics", params=("x", "y", "y_pred", "sample_weight"))
     _check(TensorFlowTrainer, "get_metrics_result")
 if TFOptimizer is not None:
@@ -165,8 +172,9 @@ if global_state is not None:
 (KerasVariable,) = _import("keras.src.backend.common.variables", "Variable")
 
 
-(get_keras_mask, set_keras_mask) = _import("keras.src.backend.common.masking",
-                                           "get_keras_mask", "set_keras_mask")
+(get_keras_mask, set_keras_mask) = _import(
+    "keras.src.backend.common.masking", "get_keras_mask", "set_keras_mask"
+)
 (BaseOptimizer,) = _import("keras.src.optimizers.base_optimizer", "BaseOptimizer")
 if Function is not None:
     _check_sets(Function, "__init__", "_nodes_by_depth")
@@ -186,23 +194,29 @@ if BaseOptimizer is not None:
 (distribute_lib,) = _import("tensorflow.python.distribute", "distribute_lib")
 (ParameterServerStrategyV2, ParameterServerStrategyV2Extended) = _import(
     "tensorflow.python.distribute.parameter_server_strategy_v2",
-    "ParameterServerStrategyV2", "ParameterServerStrategyV2Extended")
+    "ParameterServerStrategyV2",
+    "ParameterServerStrategyV2Extended",
+)
 (ShardedVariable,) = _import("tensorflow.python.distribute.sharded_variable", "ShardedVariable")
-(OneDeviceExtended,) = _import("tensorflow.python.distribute.one_device_strategy",
-                               "OneDeviceExtended")
-(get_iterator_spec_from_dataset,) = _import("tensorflow.python.distribute.input_lib",
-                                            "get_iterator_spec_from_dataset")
-(ClusterCoordinator,) = _import("tensorflow.python.distribute.coordinator.cluster_coordinator",
-                                "ClusterCoordinator")
-(RemoteValueStatus,) = _import("tensorflow.python.distribute.coordinator.remote_value",
-                               "RemoteValueStatus")
+(OneDeviceExtended,) = _import(
+    "tensorflow.python.distribute.one_device_strategy", "OneDeviceExtended"
+)
+(get_iterator_spec_from_dataset,) = _import(
+    "tensorflow.python.distribute.input_lib", "get_iterator_spec_from_dataset"
+)
+(ClusterCoordinator,) = _import(
+    "tensorflow.python.distribute.coordinator.cluster_coordinator", "ClusterCoordinator"
+)
+(RemoteValueStatus,) = _import(
+    "tensorflow.python.distribute.coordinator.remote_value", "RemoteValueStatus"
+)
 (PerWorkerDistributedIterator, PerWorkerValues) = _import(
     "tensorflow.python.distribute.coordinator.values",
-    "PerWorkerDistributedIterator", "PerWorkerValues")
-(RemoteDataset,) = _import("tensorflow.python.data.experimental.ops.distribute",
-                           "_RemoteDataset")
-(ResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops",
-                              "ResourceVariable")
+    "PerWorkerDistributedIterator",
+    "PerWorkerValues",
+)
+(RemoteDataset,) = _import("tensorflow.python.data.experimental.ops.distribute", "_RemoteDataset")
+(ResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops", "ResourceVariable")
 (colocate_with,) = _import("tensorflow.python.framework.ops", "colocate_with")
 (eager_context,) = _import("tensorflow.python.eager", "context")
 (executor_lib,) = _import("tensorflow.python.eager", "executor")
@@ -216,12 +230,16 @@ if ParameterServerStrategyV2Extended is not None:
     for _name in ("_create_variable", "_update", "_create_variable_round_robin"):
         _check(ParameterServerStrategyV2Extended, _name)
 if tf.data.Dataset is not None:
-    _check(tf.data.Dataset, "_as_serialized_graph",
-           params=("strip_device_assignment", "external_state_policy"))
+    _check(
+        tf.data.Dataset,
+        "_as_serialized_graph",
+        params=("strip_device_assignment", "external_state_policy"),
+    )
 
 # model parallelism: a variable moved to its stage's device keeps its strategy.
-(BaseResourceVariable,) = _import("tensorflow.python.ops.resource_variable_ops",
-                                  "BaseResourceVariable")
+(BaseResourceVariable,) = _import(
+    "tensorflow.python.ops.resource_variable_ops", "BaseResourceVariable"
+)
 if BaseResourceVariable is not None:
     _check_sets(BaseResourceVariable, "__init__", "_distribute_strategy")
 
@@ -229,17 +247,24 @@ if BaseResourceVariable is not None:
 # subclass replaces the one ParameterServerStrategyV2.__init__ builds
 # (see use_extended).
 if ParameterServerStrategyV2Extended is not None and distribute_lib is not None:
-    _check(ParameterServerStrategyV2Extended, "__init__",
-           params=("container_strategy", "cluster_resolver", "variable_partitioner"))
-    _check(ParameterServerStrategyV2Extended, "_update",
-           params=("var", "fn", "args", "kwargs", "group"))
+    _check(
+        ParameterServerStrategyV2Extended,
+        "__init__",
+        params=("container_strategy", "cluster_resolver", "variable_partitioner"),
+    )
+    _check(
+        ParameterServerStrategyV2Extended,
+        "_update",
+        params=("var", "fn", "args", "kwargs", "group"),
+    )
     _check(ParameterServerStrategyV2Extended, "_use_merge_call")
-    _check_source(ParameterServerStrategyV2.__init__,
-                  "self._extended = ParameterServerStrategyV2Extended(")
-    _check_source(ParameterServerStrategyV2Extended.__init__,
-                  "self._allow_run_without_coordinator")
-    _check_source(distribute_lib.StrategyBase.__init__,
-                  "extended._retrace_functions_for_each_device")
+    _check_source(
+        ParameterServerStrategyV2.__init__, "self._extended = ParameterServerStrategyV2Extended("
+    )
+    _check_source(ParameterServerStrategyV2Extended.__init__, "self._allow_run_without_coordinator")
+    _check_source(
+        distribute_lib.StrategyBase.__init__, "extended._retrace_functions_for_each_device"
+    )
 
 # Downpour: the coordinator's per-worker resources and round status.
 (coordinator_lib,) = _import("tensorflow.python.distribute.coordinator", "cluster_coordinator")
@@ -272,8 +297,7 @@ if keras.Variable is not None:
 # extended's constructor; TensorFlow's own tests raise it for the same reason).
 for _cls in (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy):
     if not isinstance(getattr(_cls, "_collective_key_base", None), int):
-        _problems.append(f"{_cls.__module__}.{_cls.__qualname__}._collective_key_base "
-                         "is missing")
+        _problems.append(f"{_cls.__module__}.{_cls.__qualname__}._collective_key_base is missing")
 
 if _problems:
     raise ImportError(
@@ -288,11 +312,13 @@ if _problems:
 
 # -- what Keras's own train_step uses ----------------------------------------
 
+
 def compute_loss(model, x, y, y_pred, sample_weight=None, training=True):
     """The model's loss exactly as Keras's ``train_step`` computes it (honours a
     user's ``compute_loss`` override, with or without its ``training`` arg)."""
-    return model._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
-                               training=training)
+    return model._compute_loss(
+        x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=training
+    )
 
 
 def loss_tracker(model):
@@ -347,13 +373,18 @@ def creating_layer():
 
 # model parallelism
 
+
 def graph_nodes(model):
     """The call nodes of functional ``model`` in a topological order, as
     ``(layer, node)`` pairs; ``node.input_tensors`` and ``node.outputs`` are
     the ``KerasTensor``s it reads and writes (input layers left out)."""
     nodes = model._nodes_by_depth
-    return [(node.operation, node) for depth in sorted(nodes, reverse=True)
-            for node in nodes[depth] if node.operation is not None and not node.is_input]
+    return [
+        (node.operation, node)
+        for depth in sorted(nodes, reverse=True)
+        for node in nodes[depth]
+        if node.operation is not None and not node.is_input
+    ]
 
 
 def node_arguments(node, values):
@@ -402,7 +433,8 @@ def reindex_optimizer(optimizer):
     ``tf.Variable``s were swapped (the TensorFlow optimizer keys them by the
     ``tf.Variable``)."""
     optimizer._trainable_variables_indices = {
-        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)}
+        optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
+    }
 
 
 # -- hooks --------------------------------------------------------------------
@@ -480,7 +512,7 @@ def _no_default_shuffle(fit, model, args, kwargs):
     that it ignores the flag for a dataset. An explicit ``shuffle`` is kept."""
     try:
         arguments = inspect.signature(fit).bind(model, *args, **kwargs).arguments
-    except TypeError:   # a wrong call: Keras's fit raises its own error
+    except TypeError:  # a wrong call: Keras's fit raises its own error
         return kwargs
     datasets = (tf.data.Dataset, tf.distribute.DistributedDataset)
     if "shuffle" in arguments or not isinstance(arguments.get("x"), datasets):
@@ -510,8 +542,11 @@ def install_optimizer_hooks():
         def _all_reduce_sum_gradients(self, grads_and_vars):
             strategy = getattr(self, "_distribution_strategy", None)
             handler = getattr(strategy, "_tfdist_all_reduce_sum_gradients", None)
-            if (handler is not None and tf.distribute.in_cross_replica_context() is False
-                    and tf.distribute.has_strategy()):
+            if (
+                handler is not None
+                and tf.distribute.in_cross_replica_context() is False
+                and tf.distribute.has_strategy()
+            ):
                 return handler(self, grads_and_vars)
             return original(self, grads_and_vars)
 
@@ -559,6 +594,7 @@ def set_optimizer_strategy(optimizer, strategy):
 
 # -- parameter-server placement (Downpour, Sandblaster) -------------------------
 
+
 def use_extended(strategy, extended):
     """Makes a just-built ``ParameterServerStrategyV2`` use ``extended``.
 
@@ -569,11 +605,13 @@ def use_extended(strategy, extended):
     before any variable is created.
     """
     extended._retrace_functions_for_each_device = (
-        strategy._extended._retrace_functions_for_each_device)
+        strategy._extended._retrace_functions_for_each_device
+    )
     strategy._extended = extended
 
 
 # -- Downpour: the coordinator's per-worker resources ----------------------------
+
 
 def coordinator_workers(coordinator):
     """The ``Worker`` objects of a ``ClusterCoordinator``, in task order."""
@@ -599,6 +637,7 @@ def serialized_dataset_graph(dataset):
         strip_device_assignment=True,
         external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN,
     ).numpy()
+
 
 # -- lifecycle: clean exit and parameters back on the chief --------------------
 
@@ -631,10 +670,10 @@ if ClusterCoordinator is not None:
                 return
             handler = cluster.failure_handler
             wake = getattr(handler, "_cluster_due_for_update_or_finish", None)
-            if wake is not None:   # WorkerPreemptionHandler: stop() without its lock
+            if wake is not None:  # WorkerPreemptionHandler: stop() without its lock
                 handler._should_preemption_thread_run = False
                 wake.set()
-            else:                  # the coordination-service handler's stop() does not block
+            else:  # the coordination-service handler's stop() does not block
                 handler.stop()
             for worker in cluster.workers:
                 worker.stop()
@@ -672,13 +711,12 @@ def disconnect_from_cluster():
     return True
 
 
-
-
 def replace_variable_value(variable, value):
     """Points a Keras variable at another ``tf.Variable`` (Keras's own
     ``_initialize`` path for a ``tf.Variable`` value)."""
     variable._value = None
     variable._initialize(value)
+
 
 # -- collective keys (compressed strategies) ---------------------------------
 

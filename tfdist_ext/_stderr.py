@@ -47,6 +47,6 @@ def native_log_without(patterns):
         yield
     finally:
         sys.stderr.flush()
-        os.dup2(saved, 2)   # closes the pipe's last write end: the pump sees EOF
+        os.dup2(saved, 2)  # closes the pipe's last write end: the pump sees EOF
         thread.join(timeout=5.0)
         os.close(saved)

@@ -29,7 +29,7 @@ from typing import Union
 
 import numpy as np
 
-if TYPE_CHECKING:   # this module stays light: TensorFlow is imported on use
+if TYPE_CHECKING:  # this module stays light: TensorFlow is imported on use
     import tensorflow as tf
 
 SPLITS = ("train", "test")
@@ -51,9 +51,7 @@ def _optional(module, loader, extra):
 
 def _check_split(loader, split):
     if split not in SPLITS:
-        raise ValueError(
-            f"{loader}: split must be one of {SPLITS}, got {split!r}"
-        )
+        raise ValueError(f"{loader}: split must be one of {SPLITS}, got {split!r}")
 
 
 def _result(x, y, as_numpy):
@@ -74,13 +72,22 @@ def _digits_arrays(test_fraction, seed):
     bunch = sklearn_datasets.load_digits()
     x = bunch.images.astype(np.float32) / 16.0
     return train_test_split(
-        x, bunch.target, test_size=test_fraction, random_state=seed,
+        x,
+        bunch.target,
+        test_size=test_fraction,
+        random_state=seed,
         stratify=bunch.target,
     )
 
 
-def digits(split: Split = "train", *, flatten: bool = False, test_fraction: float = 0.25,
-           seed: int = 0, as_numpy: bool = False) -> Data:
+def digits(
+    split: Split = "train",
+    *,
+    flatten: bool = False,
+    test_fraction: float = 0.25,
+    seed: int = 0,
+    as_numpy: bool = False,
+) -> Data:
     """scikit-learn's bundled handwritten digits, scaled to [0, 1].
 
     Args:
@@ -95,9 +102,7 @@ def digits(split: Split = "train", *, flatten: bool = False, test_fraction: floa
     """
     _check_split("digits", split)
     if not 0.0 < test_fraction < 1.0:
-        raise ValueError(
-            f"digits: test_fraction must be in (0, 1), got {test_fraction!r}"
-        )
+        raise ValueError(f"digits: test_fraction must be in (0, 1), got {test_fraction!r}")
     x_train, x_test, y_train, y_test = _digits_arrays(float(test_fraction), int(seed))
     x, y = (x_train, y_train) if split == "train" else (x_test, y_test)
     x = x.reshape(len(x), -1) if flatten else x[..., None]
@@ -110,12 +115,13 @@ def _mnist1d_arrays(seed):
 
     args = data_module.get_dataset_args()
     args.seed = seed
-    data = data_module.make_dataset(args)   # procedural: never touches args.url
+    data = data_module.make_dataset(args)  # procedural: never touches args.url
     return data["x"], data["y"], data["x_test"], data["y_test"]
 
 
-def mnist1d(split: Split = "train", *, channels: bool = False, seed: int = 42,
-            as_numpy: bool = False) -> Data:
+def mnist1d(
+    split: Split = "train", *, channels: bool = False, seed: int = 42, as_numpy: bool = False
+) -> Data:
     """MNIST-1D, generated procedurally (standard arguments: 4000/1000, length 40).
 
     Args:
@@ -135,9 +141,15 @@ def mnist1d(split: Split = "train", *, channels: bool = False, seed: int = 42,
     return _result(x, y, as_numpy)
 
 
-def synthetic(num_examples: int = 10000, *, input_shape: Sequence[int] = (32,),
-              num_classes: int = 10, seed: int = 0, noise: float = 0.5,
-              as_numpy: bool = False) -> Data:
+def synthetic(
+    num_examples: int = 10000,
+    *,
+    input_shape: Sequence[int] = (32,),
+    num_classes: int = 10,
+    seed: int = 0,
+    noise: float = 0.5,
+    as_numpy: bool = False,
+) -> Data:
     """A seeded synthetic classification set of any size.
 
     Examples are drawn around ``num_classes`` random class centres with
@@ -159,9 +171,7 @@ def synthetic(num_examples: int = 10000, *, input_shape: Sequence[int] = (32,),
             f"synthetic: num_examples must be a positive integer, got {num_examples!r}"
         )
     if not isinstance(num_classes, int) or num_classes < 2:
-        raise ValueError(
-            f"synthetic: num_classes must be an integer >= 2, got {num_classes!r}"
-        )
+        raise ValueError(f"synthetic: num_classes must be an integer >= 2, got {num_classes!r}")
     input_shape = tuple(int(d) for d in input_shape)
     if not input_shape or min(input_shape) < 1:
         raise ValueError(
@@ -175,8 +185,7 @@ def synthetic(num_examples: int = 10000, *, input_shape: Sequence[int] = (32,),
     return _result(x.reshape((num_examples, *input_shape)), y, as_numpy)
 
 
-def from_tfds(name: str, split: str = "train", *, data_dir: str,
-              as_numpy: bool = False) -> Data:
+def from_tfds(name: str, split: str = "train", *, data_dir: str, as_numpy: bool = False) -> Data:
     """A TFDS data set prepared on disk in ``data_dir``; never downloads.
 
     Returns ``(features, label)`` pairs (TFDS ``as_supervised=True``), images
@@ -191,8 +200,12 @@ def from_tfds(name: str, split: str = "train", *, data_dir: str,
 
     tfds = _optional("tensorflow_datasets", "from_tfds", "tfds")
     ds = tfds.load(
-        name, split=split, data_dir=data_dir, download=False,
-        as_supervised=True, shuffle_files=False,
+        name,
+        split=split,
+        data_dir=data_dir,
+        download=False,
+        as_supervised=True,
+        shuffle_files=False,
     )
 
     def convert(x, y):

@@ -24,8 +24,13 @@ _NORMALIZATION = (
 )
 
 
-def apply_goyal_recipe(model: keras.Model, *, weight_decay: float = 1e-4, zero_gamma: bool = True,
-                       zero_gamma_layers: Sequence[str] | None = None) -> dict[str, list[str]]:
+def apply_goyal_recipe(
+    model: keras.Model,
+    *,
+    weight_decay: float = 1e-4,
+    zero_gamma: bool = True,
+    zero_gamma_layers: Sequence[str] | None = None,
+) -> dict[str, list[str]]:
     """Applies the paper's implementation details (Sec. 3 and 5.1) to ``model``.
 
     * **Zero-gamma**: the last batch-norm layer of each residual branch gets
@@ -64,16 +69,26 @@ def apply_goyal_recipe(model: keras.Model, *, weight_decay: float = 1e-4, zero_g
       >>> report = apply_goyal_recipe(resnet, weight_decay=1e-4)  # doctest: +SKIP
     """
     if not isinstance(model, keras.Model):
-        raise ValueError(f"apply_goyal_recipe: model must be a keras.Model, got {type(model).__name__}")
+        raise ValueError(
+            f"apply_goyal_recipe: model must be a keras.Model, got {type(model).__name__}"
+        )
     if not model.built:
         raise ValueError("apply_goyal_recipe: build the model first (call it or give it an Input)")
-    if (isinstance(weight_decay, bool) or not isinstance(weight_decay, numbers.Real)
-            or weight_decay < 0):
-        raise ValueError(f"apply_goyal_recipe: weight_decay must be a number >= 0, got {weight_decay!r}")
+    if (
+        isinstance(weight_decay, bool)
+        or not isinstance(weight_decay, numbers.Real)
+        or weight_decay < 0
+    ):
+        raise ValueError(
+            f"apply_goyal_recipe: weight_decay must be a number >= 0, got {weight_decay!r}"
+        )
     report = {"zero_gamma": [], "weight_decay": []}
     if zero_gamma:
-        layers = (_named_layers(model, zero_gamma_layers) if zero_gamma_layers is not None
-                  else residual_branch_norms(model))
+        layers = (
+            _named_layers(model, zero_gamma_layers)
+            if zero_gamma_layers is not None
+            else residual_branch_norms(model)
+        )
         for layer in layers:
             _zero_gamma(layer)
             report["zero_gamma"].append(layer.name)
@@ -173,7 +188,7 @@ def _residual_input(inputs):
     lengths = [min(a[c] for c in common) for a in ancestry]
     longest = max(lengths)
     if lengths.count(longest) > 1:
-        return None   # ambiguous: no clear residual branch
+        return None  # ambiguous: no clear residual branch
     return inputs[lengths.index(longest)]
 
 

@@ -36,6 +36,7 @@ def _watch_parent(parent_pid, interval=0.5):
     a gRPC ``tf.distribute.Server`` has no clean stop of its own, and a full
     interpreter shutdown with the server running takes seconds.
     """
+
     def watch():
         while os.getppid() == parent_pid:
             time.sleep(interval)
@@ -73,23 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--intra-op-threads", type=int, default=0,
+        "--intra-op-threads",
+        type=int,
+        default=0,
         help="threads for one op (0: TensorFlow's default)",
     )
     parser.add_argument(
-        "--inter-op-threads", type=int, default=0,
+        "--inter-op-threads",
+        type=int,
+        default=0,
         help="ops run at once (0: number of workers + 1)",
     )
     parser.add_argument(
-        "--cpu-devices", type=int, default=1,
+        "--cpu-devices",
+        type=int,
+        default=1,
         help="CPU devices the task exposes (for model parallelism inside a task)",
     )
     parser.add_argument(
-        "--strategy", choices=("any", "ps"), default="any",
+        "--strategy",
+        choices=("any", "ps"),
+        default="any",
         help="'ps' requires the cluster to have 'ps' and 'worker' jobs",
     )
     parser.add_argument(
-        "--no-warning", action="store_true",
+        "--no-warning",
+        action="store_true",
         help="do not print the security warning (LocalCluster gives its own)",
     )
     return parser
@@ -109,8 +119,7 @@ def _serve(args):
     ):
         if value < 0:
             low = 1 if name == "--cpu-devices" else 0
-            print(f"tfdist-ext server: error: {name} must be >= {low}",
-                  file=sys.stderr)
+            print(f"tfdist-ext server: error: {name} must be >= {low}", file=sys.stderr)
             return 2
 
     parent = os.environ.get(PARENT_PID_ENV)
@@ -137,8 +146,9 @@ def _serve(args):
         )
     address = cluster[task_type][task_index]
     if not args.no_warning:
-        print(_SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]),
-              file=sys.stderr, flush=True)
+        print(
+            _SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]), file=sys.stderr, flush=True
+        )
     print(f"READY {task_type}:{task_index} {address}", flush=True)
     while server:  # serves until a signal ends the process
         time.sleep(3600)

@@ -52,11 +52,13 @@ from tfdist_ext import datasets  # noqa: E402
 
 
 def build_model():
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
 
 
 def compile_model(model):
@@ -90,15 +92,20 @@ def main(argv=None):
         keras.utils.set_random_seed(args.seed)
         with strategy.scope():
             model = compile_model(build_model())
-        history = model.fit(train, epochs=epochs, steps_per_epoch=steps,
-                            validation_data=test, verbose=2)
+        history = model.fit(
+            train, epochs=epochs, steps_per_epoch=steps, validation_data=test, verbose=2
+        )
         downpour_accuracy = model.evaluate(test, verbose=0)[1]
         stats = strategy.stats.summary()
-        print(f"\nDownpour (2 workers, n_fetch=n_push=2): held-out accuracy {downpour_accuracy:.4f}")
-        print(f"  staleness mean {stats['staleness_mean']:.2f}, max {stats['staleness_max']:.0f}; "
-              f"{stats['push_bytes_per_step']:.0f} bytes pushed and "
-              f"{stats['fetch_bytes_per_step']:.0f} fetched per step; "
-              f"steps per worker {strategy.stats.steps_per_worker}")
+        print(
+            f"\nDownpour (2 workers, n_fetch=n_push=2): held-out accuracy {downpour_accuracy:.4f}"
+        )
+        print(
+            f"  staleness mean {stats['staleness_mean']:.2f}, max {stats['staleness_max']:.0f}; "
+            f"{stats['push_bytes_per_step']:.0f} bytes pushed and "
+            f"{stats['fetch_bytes_per_step']:.0f} fetched per step; "
+            f"steps per worker {strategy.stats.steps_per_worker}"
+        )
         print(f"  staleness per epoch: {[round(v, 2) for v in history.history['staleness_mean']]}")
 
         # The single-process baseline: the same model, steps and optimizer.
@@ -113,16 +120,20 @@ def main(argv=None):
             path = os.path.join(tmp, "downpour_digits.keras")
             model.save(path)
             reloaded = keras.models.load_model(path)
-        print(f"Saved and reloaded outside the cluster: accuracy "
-              f"{reloaded.evaluate(test, verbose=0)[1]:.4f}")
+        print(
+            f"Saved and reloaded outside the cluster: accuracy "
+            f"{reloaded.evaluate(test, verbose=0)[1]:.4f}"
+        )
 
     # The README's claims: accuracy (checked here) and speed (the benchmark).
     close = downpour_accuracy >= baseline_accuracy - 0.02
-    print(f"\nVERDICT: Downpour within 2 points of single-process Keras at the same steps: "
-          f"{'yes' if close else 'no'} ({'quick' if args.quick else 'full'} run: Downpour "
-          f"{downpour_accuracy:.3f}, Keras {baseline_accuracy:.3f}, seed {args.seed}); "
-          "the speed goals are not met on 2 cores (README: 2 workers 1.06-1.34x one worker, "
-          "both slower than one Keras process): python -m benchmarks.run downpour")
+    print(
+        f"\nVERDICT: Downpour within 2 points of single-process Keras at the same steps: "
+        f"{'yes' if close else 'no'} ({'quick' if args.quick else 'full'} run: Downpour "
+        f"{downpour_accuracy:.3f}, Keras {baseline_accuracy:.3f}, seed {args.seed}); "
+        "the speed goals are not met on 2 cores (README: 2 workers 1.06-1.34x one worker, "
+        "both slower than one Keras process): python -m benchmarks.run downpour"
+    )
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def scipy_lbfgs_b(x, y, memory):
     xd, rows = x.astype(np.float64), np.arange(len(y))
 
     def f(w):
-        W, b = w[:d * k].reshape(d, k), w[d * k:]
+        W, b = w[: d * k].reshape(d, k), w[d * k :]
         z = xd @ W + b
         z -= z.max(1, keepdims=True)
         lse = np.log(np.exp(z).sum(1))
@@ -66,30 +66,38 @@ def scipy_lbfgs_b(x, y, memory):
         p /= len(y)
         return loss, np.concatenate([(xd.T @ p + 2 * L2 * W).ravel(), p.sum(0)])
 
-    return scipy.optimize.minimize(f, np.zeros(d * k + k), jac=True, method="L-BFGS-B",
-                                   options=dict(maxcor=memory))
+    return scipy.optimize.minimize(
+        f, np.zeros(d * k + k), jac=True, method="L-BFGS-B", options=dict(maxcor=memory)
+    )
 
 
 def loss_fn(params, batch):
     """The objective for ``minimize``: mean cross-entropy + L2 on the kernel."""
     x, y = batch
     logits = tf.matmul(x, params[0]) + params[1]
-    return (tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
-            + L2 * tf.reduce_sum(tf.square(params[0])))
+    return tf.reduce_mean(
+        tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+    ) + L2 * tf.reduce_sum(tf.square(params[0]))
 
 
 def verdict(result, reference):
     """One line: does this run reproduce the README's claim?"""
-    claim = ("VERDICT: Sandblaster L-BFGS matches SciPy's L-BFGS-B (rel. diff <= 1e-6, "
-             "no more iterations than SciPy)")
+    claim = (
+        "VERDICT: Sandblaster L-BFGS matches SciPy's L-BFGS-B (rel. diff <= 1e-6, "
+        "no more iterations than SciPy)"
+    )
     if reference.fun is None:
-        return (f"{claim}: needs the full run (this quick run stops after {result.nit} "
-                "iterations; README, full run: rel. diff 4.0e-7, 99 vs 104 iterations): "
-                "python tutorials/02_sandblaster_lbfgs.py, or python -m benchmarks.run sandblaster")
+        return (
+            f"{claim}: needs the full run (this quick run stops after {result.nit} "
+            "iterations; README, full run: rel. diff 4.0e-7, 99 vs 104 iterations): "
+            "python tutorials/02_sandblaster_lbfgs.py, or python -m benchmarks.run sandblaster"
+        )
     diff = abs(result.fun - reference.fun) / reference.fun
     ok = diff <= 1e-6 and result.nit <= reference.nit
-    return (f"{claim}: {'yes' if ok else 'no'} (full run: rel. diff {diff:.1e}, "
-            f"{result.nit} vs {reference.nit} iterations)")
+    return (
+        f"{claim}: {'yes' if ok else 'no'} (full run: rel. diff {diff:.1e}, "
+        f"{result.nit} vs {reference.nit} iterations)"
+    )
 
 
 def main(argv=None):
@@ -104,62 +112,89 @@ def main(argv=None):
     t0 = time.perf_counter()
     reference = scipy_lbfgs_b(x, y, memory=10)
     scipy_seconds = time.perf_counter() - t0
-    if args.quick:   # compare at the same number of iterations
+    if args.quick:  # compare at the same number of iterations
         reference = scipy.optimize.OptimizeResult(fun=None, nit=epochs)
 
     with tfdist_ext.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, min_shard_bytes=1024)
         with strategy.scope():
-            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(
-                10, kernel_initializer="zeros", kernel_regularizer=keras.regularizers.L2(L2))])
-            model.compile(optimizer=tfdist_ext.optimizers.LBFGS(memory=10),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
+            model = keras.Sequential(
+                [
+                    keras.Input((64,)),
+                    keras.layers.Dense(
+                        10, kernel_initializer="zeros", kernel_regularizer=keras.regularizers.L2(L2)
+                    ),
+                ]
+            )
+            model.compile(
+                optimizer=tfdist_ext.optimizers.LBFGS(memory=10),
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"],
+            )
         t0 = time.perf_counter()
         history = model.fit(x, y, epochs=epochs, validation_data=(x_test, y_test), verbose=0)
         seconds = time.perf_counter() - t0
         result = model.optimizer.result
         h = history.history
-        print(f"Sandblaster L-BFGS (2 workers, 2 ps): loss {result.fun:.8f} after "
-              f"{result.nit} iterations, {result.nfev} passes, {seconds:.1f} s")
-        stopped = (result.message if result.status is not None else
-                   f"after the {epochs} epochs fit was given, before a stopping rule fired")
+        print(
+            f"Sandblaster L-BFGS (2 workers, 2 ps): loss {result.fun:.8f} after "
+            f"{result.nit} iterations, {result.nfev} passes, {seconds:.1f} s"
+        )
+        stopped = (
+            result.message
+            if result.status is not None
+            else f"after the {epochs} epochs fit was given, before a stopping rule fired"
+        )
         print(f"  stopped: {stopped}")
-        print(f"  train accuracy {h['accuracy'][-1]:.4f}, held-out accuracy "
-              f"{h['val_accuracy'][-1]:.4f}")
-        print(f"  the coordinator received {np.median(h['coordinator_bytes']):.0f} bytes per "
-              f"iteration (the parameters are {sum(v.size for v in model.get_weights()) * 4} bytes)")
+        print(
+            f"  train accuracy {h['accuracy'][-1]:.4f}, held-out accuracy "
+            f"{h['val_accuracy'][-1]:.4f}"
+        )
+        print(
+            f"  the coordinator received {np.median(h['coordinator_bytes']):.0f} bytes per "
+            f"iteration (the parameters are {sum(v.size for v in model.get_weights()) * 4} bytes)"
+        )
         if reference.fun is not None:
-            print(f"SciPy L-BFGS-B (float64):            loss {reference.fun:.8f} after "
-                  f"{reference.nit} iterations, {reference.nfev} evaluations, "
-                  f"{scipy_seconds:.2f} s")
-            print(f"  relative difference {abs(result.fun - reference.fun) / reference.fun:.1e}, "
-                  f"iterations {result.nit} vs {reference.nit}")
+            print(
+                f"SciPy L-BFGS-B (float64):            loss {reference.fun:.8f} after "
+                f"{reference.nit} iterations, {reference.nfev} evaluations, "
+                f"{scipy_seconds:.2f} s"
+            )
+            print(
+                f"  relative difference {abs(result.fun - reference.fun) / reference.fun:.1e}, "
+                f"iterations {result.nit} vs {reference.nit}"
+            )
 
         # The same objective outside Keras, with one worker slowed down 4x.
         with strategy.scope():
             w = tf.Variable(tf.zeros([64, 10]))
             b = tf.Variable(tf.zeros([10]))
         iterations = 10 if args.quick else 50
-        plain = tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                                max_iterations=iterations)
+        plain = tfdist_ext.sandblaster.minimize(
+            loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=iterations
+        )
         w.assign(tf.zeros([64, 10]))
         b.assign(tf.zeros([10]))
         start = len(strategy.passes)
         with cluster.throttle("worker", 1, slowdown=4):
-            slowed = tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                                     max_iterations=iterations)
+            slowed = tfdist_ext.sandblaster.minimize(
+                loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=iterations
+            )
         passes = strategy.passes[start:]
-        print(f"minimize, worker 1 slowed 4x: loss {slowed.fun:.8f} "
-              f"(unslowed {plain.fun:.8f}); {sum(p.backups for p in passes)} backup copies, "
-              f"{sum(p.wasted for p in passes)} copies finished second and were dropped")
+        print(
+            f"minimize, worker 1 slowed 4x: loss {slowed.fun:.8f} "
+            f"(unslowed {plain.fun:.8f}); {sum(p.backups for p in passes)} backup copies, "
+            f"{sum(p.wasted for p in passes)} copies finished second and were dropped"
+        )
 
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "sandblaster_digits.keras")
             model.save(path)
             reloaded = keras.models.load_model(path)
-        print(f"Saved and reloaded outside the cluster: held-out accuracy "
-              f"{reloaded.evaluate(x_test, y_test, verbose=0)[1]:.4f}")
+        print(
+            f"Saved and reloaded outside the cluster: held-out accuracy "
+            f"{reloaded.evaluate(x_test, y_test, verbose=0)[1]:.4f}"
+        )
     print("\n" + verdict(result, reference))
 
 

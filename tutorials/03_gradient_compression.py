@@ -28,7 +28,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 from tfdist_ext.cluster import logical_cpus  # noqa: E402
 
-DEVICES = logical_cpus(2)   # before TensorFlow starts: two logical CPU devices
+DEVICES = logical_cpus(2)  # before TensorFlow starts: two logical CPU devices
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,16 +45,27 @@ def part1_wire_forms():
     print("== 1. What crosses the wire for a 100x100 float32 gradient (40000 bytes) ==")
     grad = tf.random.stateless_normal([100, 100], [SEED, 1])
     step = tf.constant(0, tf.int64)
-    for c in [C.NoCompression(), C.FP16(), C.TopK(0.01), C.RandomK(0.01), C.QSGD(4),
-              C.TernGrad(), C.OneBit(), C.SignSGD(), C.PowerSGD(2),
-              C.DGC(sparsity=0.999, warmup_epochs=0)]:
+    for c in [
+        C.NoCompression(),
+        C.FP16(),
+        C.TopK(0.01),
+        C.RandomK(0.01),
+        C.QSGD(4),
+        C.TernGrad(),
+        C.OneBit(),
+        C.SignSGD(),
+        C.PowerSGD(2),
+        C.DGC(sparsity=0.999, warmup_epochs=0),
+    ]:
         state = c.init(grad.shape)
         wire, state = c.compress(grad, state, step)
         back = c.decompress(wire, grad.shape)
         parts = ", ".join(f"{k}: {v.dtype.name}{list(v.shape)}" for k, v in wire.items())
         error = float(tf.norm(back - grad) / tf.norm(grad))
-        print(f"  {type(c).__name__:14s} {int(c.wire_bytes(wire)):6d} bytes  "
-              f"rel. error {error:5.2f}  wire = {{{parts}}}")
+        print(
+            f"  {type(c).__name__:14s} {int(c.wire_bytes(wire)):6d} bytes  "
+            f"rel. error {error:5.2f}  wire = {{{parts}}}"
+        )
 
 
 def part2_error_feedback():
@@ -69,18 +80,19 @@ def part2_error_feedback():
         sent += c.decompress(wire, [1000])
         total += g
     gap = float(tf.reduce_max(tf.abs(sent + state["residual"] - total)))
-    print(f"  after 20 steps of 1% top-k: sent + residual == sum of gradients "
-          f"(max gap {gap:.1e})")
+    print(f"  after 20 steps of 1% top-k: sent + residual == sum of gradients (max gap {gap:.1e})")
 
 
 def make_model():
-    model = keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(16, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ])
+    model = keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
     return model
 
 
@@ -90,9 +102,11 @@ def fit(strategy, momentum, epochs, callbacks=()):
     x_test, y_test = datasets.digits("test", as_numpy=True)
     with strategy.scope():
         model = make_model()
-        model.compile(keras.optimizers.SGD(0.05, momentum=momentum),
-                      keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
+        model.compile(
+            keras.optimizers.SGD(0.05, momentum=momentum),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
     model.fit(train, epochs=epochs, verbose=0, callbacks=list(callbacks))
     return model, model.evaluate(x_test, y_test, verbose=0)[1]
 
@@ -115,28 +129,34 @@ def part3_fit(epochs=12):
     _, dense_acc = fit(dense, momentum=0.9, epochs=epochs)
     stats = strategy.compression_stats()
     print(f"  DGC 99.9%: test accuracy {acc:.3f}   dense MirroredStrategy: {dense_acc:.3f}")
-    print(f"  whole run: {stats['wire_bytes'] / 1e6:.2f} MB sent for "
-          f"{stats['dense_bytes'] / 1e6:.2f} MB dense (x{stats['ratio']:.0f}; "
-          f"last epoch x{logger.history[-1]['compression_ratio']:.0f})")
+    print(
+        f"  whole run: {stats['wire_bytes'] / 1e6:.2f} MB sent for "
+        f"{stats['dense_bytes'] / 1e6:.2f} MB dense (x{stats['ratio']:.0f}; "
+        f"last epoch x{logger.history[-1]['compression_ratio']:.0f})"
+    )
     return strategy, model, acc, dense_acc
 
 
 def part4_checkpoint(strategy, model):
     print("\n== 4. Per-replica residuals in a checkpoint ==")
-    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                               compression=strategy.compression_state)
+    ckpt = tf.train.Checkpoint(
+        model=model, optimizer=model.optimizer, compression=strategy.compression_state
+    )
     with tempfile.TemporaryDirectory() as tmp:
         path = ckpt.save(os.path.join(tmp, "ckpt"))
         names = strategy.compression_state.slot_names()
         saved = {n: getattr(strategy.compression_state, n).numpy() for n in names}
-        for n in names:   # clobber, then restore
+        for n in names:  # clobber, then restore
             var = getattr(strategy.compression_state, n)
             var.assign(tf.zeros_like(var))
         ckpt.restore(path)
-        same = all(np.array_equal(saved[n], getattr(strategy.compression_state, n).numpy())
-                   for n in names)
-    print(f"  {len(names)} state tensors (DGC momentum u and velocity v, per replica and "
-          f"layer) restored exactly: {same}")
+        same = all(
+            np.array_equal(saved[n], getattr(strategy.compression_state, n).numpy()) for n in names
+        )
+    print(
+        f"  {len(names)} state tensors (DGC momentum u and velocity v, per replica and "
+        f"layer) restored exactly: {same}"
+    )
 
 
 def main():
@@ -145,9 +165,11 @@ def main():
     strategy, model, acc, dense_acc = part3_fit()
     part4_checkpoint(strategy, model)
     within = acc >= dense_acc - 0.005
-    print(f"\nVERDICT: DGC 99.9% within 0.5 points of dense: {'yes' if within else 'no'} "
-          f"(this run: dense {dense_acc:.3f}, DGC {acc:.3f}, seed {SEED}; README, 3 seeds: "
-          "MNIST-1D 0.0, digits -0.3 points)")
+    print(
+        f"\nVERDICT: DGC 99.9% within 0.5 points of dense: {'yes' if within else 'no'} "
+        f"(this run: dense {dense_acc:.3f}, DGC {acc:.3f}, seed {SEED}; README, 3 seeds: "
+        "MNIST-1D 0.0, digits -0.3 points)"
+    )
 
 
 if __name__ == "__main__":

@@ -49,26 +49,30 @@ from tfdist_ext.recipes import apply_goyal_recipe  # noqa: E402
 from tfdist_ext.schedules import LinearScaling  # noqa: E402
 from tfdist_ext.schedules import StepDecay  # noqa: E402
 
-N = 16          # per-worker batch: BN statistics are always over 16 examples
-ETA = 0.02      # base rate, tuned for a total batch of N
+N = 16  # per-worker batch: BN statistics are always over 16 examples
+ETA = 0.02  # base rate, tuned for a total batch of N
 SEED = 0
 
 
 def resnet(n, width=16):
     """Stem + two residual blocks with independent BN over groups of n, for 8x8 images."""
+
     def norm(name):
         return IndependentBatchNormalization(virtual_batch_size=n, momentum=0.9, name=name)
 
     def block(x, filters, stride, name):
-        y = keras.layers.Conv2D(filters, 3, strides=stride, padding="same", use_bias=False,
-                                name=f"{name}_conv1")(x)
+        y = keras.layers.Conv2D(
+            filters, 3, strides=stride, padding="same", use_bias=False, name=f"{name}_conv1"
+        )(x)
         y = keras.layers.ReLU()(norm(f"{name}_bn1")(y))
-        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False,
-                                name=f"{name}_conv2")(y)
+        y = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False, name=f"{name}_conv2")(y)
         y = norm(f"{name}_bn2")(y)
         if stride != 1 or x.shape[-1] != filters:
-            x = norm(f"{name}_proj_bn")(keras.layers.Conv2D(
-                filters, 1, strides=stride, use_bias=False, name=f"{name}_proj")(x))
+            x = norm(f"{name}_proj_bn")(
+                keras.layers.Conv2D(
+                    filters, 1, strides=stride, use_bias=False, name=f"{name}_proj"
+                )(x)
+            )
         return keras.layers.ReLU()(keras.layers.Add()([x, y]))
 
     inputs = keras.Input((8, 8, 1))
@@ -90,25 +94,37 @@ def train(k, epochs, warmup_epochs, data):
     report = apply_goyal_recipe(model, weight_decay=5e-4)
     # Rate: k*ETA after a gradual warm-up from ETA, divided by 10 at 50% and 75%.
     rate = LinearScaling(
-        ETA, base_batch_size=N, batch_size=batch,
-        warmup_epochs=warmup_epochs, steps_per_epoch=steps_per_epoch,
+        ETA,
+        base_batch_size=N,
+        batch_size=batch,
+        warmup_epochs=warmup_epochs,
+        steps_per_epoch=steps_per_epoch,
         after=StepDecay(ETA, (0.5 * epochs, 0.75 * epochs), steps_per_epoch=steps_per_epoch),
         total_epochs=epochs,
     )
-    model.compile(optimizer=keras.optimizers.SGD(rate, momentum=0.9),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    ds = (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=SEED)
-          .batch(batch, drop_remainder=True))     # every batch a multiple of N
+    model.compile(
+        optimizer=keras.optimizers.SGD(rate, momentum=0.9),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    ds = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=SEED)
+        .batch(batch, drop_remainder=True)
+    )  # every batch a multiple of N
     history = model.fit(ds, epochs=epochs, verbose=0, callbacks=[MomentumCorrection()])
     _, accuracy = model.evaluate(x_test, y_test, batch_size=500, verbose=0)
     curve = ", ".join(f"{100 * (1 - a):.1f}" for a in history.history["accuracy"])
-    print(f"  k={k} (batch {batch}, rate {ETA} -> {k * ETA:g}, warm-up {warmup_epochs} ep): "
-          f"held-out error {100 * (1 - accuracy):.2f}%")
+    print(
+        f"  k={k} (batch {batch}, rate {ETA} -> {k * ETA:g}, warm-up {warmup_epochs} ep): "
+        f"held-out error {100 * (1 - accuracy):.2f}%"
+    )
     print(f"    training error per epoch: {curve}")
     if k == 1:
-        print(f"    recipe: zero-gamma on {report['zero_gamma']}, "
-              f"L2 on {len(report['weight_decay'])} kernels")
+        print(
+            f"    recipe: zero-gamma on {report['zero_gamma']}, "
+            f"L2 on {len(report['weight_decay'])} kernels"
+        )
     return model, 100 * (1 - accuracy)
 
 
@@ -119,18 +135,28 @@ def callback_under_mirrored_strategy(data, epochs):
     with strategy.scope():
         keras.utils.set_random_seed(SEED)
         model = resnet(N)
-        model.compile(optimizer=keras.optimizers.SGD(ETA, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    per_replica = 4 * N     # 2 replicas x 64 = global batch 128 = 8 workers' worth
-    warmup = LinearScalingWarmup(ETA, base_batch_size=N, per_replica_batch_size=per_replica,
-                                 warmup_epochs=1, momentum_correction=True)
+        model.compile(
+            optimizer=keras.optimizers.SGD(ETA, momentum=0.9),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    per_replica = 4 * N  # 2 replicas x 64 = global batch 128 = 8 workers' worth
+    warmup = LinearScalingWarmup(
+        ETA,
+        base_batch_size=N,
+        per_replica_batch_size=per_replica,
+        warmup_epochs=1,
+        momentum_correction=True,
+    )
     plateau = keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=1)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(
-        per_replica * strategy.num_replicas_in_sync, drop_remainder=True)
+        per_replica * strategy.num_replicas_in_sync, drop_remainder=True
+    )
     history = model.fit(ds, epochs=epochs, verbose=0, callbacks=[warmup, plateau])
-    print(f"  replicas {strategy.num_replicas_in_sync}, global batch {warmup.global_batch_size}"
-          f" (k = {warmup.schedule.scale:g}); rate per epoch: "
-          + ", ".join(f"{r:.4f}" for r in history.history["learning_rate"]))
+    print(
+        f"  replicas {strategy.num_replicas_in_sync}, global batch {warmup.global_batch_size}"
+        f" (k = {warmup.schedule.scale:g}); rate per epoch: "
+        + ", ".join(f"{r:.4f}" for r in history.history["learning_rate"])
+    )
 
 
 def verdict(error_1, error_8, quick):
@@ -138,9 +164,11 @@ def verdict(error_1, error_8, quick):
     claim = "VERDICT: k = 8 within 1 point of k = 1 (linear scaling + warm-up)"
     figures = f"k=1 {error_1:.2f}%, k=8 {error_8:.2f}% held-out error, seed {SEED}"
     if quick:
-        return (f"{claim}: needs the full run ({figures} after 3 epochs; README, 12 epochs, "
-                "3 seeds: digits +0.67, MNIST-1D -0.03 points): python tutorials/04_large_batch.py, "
-                "or python -m benchmarks.run large_batch")
+        return (
+            f"{claim}: needs the full run ({figures} after 3 epochs; README, 12 epochs, "
+            "3 seeds: digits +0.67, MNIST-1D -0.03 points): python tutorials/04_large_batch.py, "
+            "or python -m benchmarks.run large_batch"
+        )
     return f"{claim}: {'yes' if error_8 - error_1 <= 1.0 else 'no'} (full run: {figures})"
 
 
@@ -167,13 +195,18 @@ def main(argv=None):
         path = os.path.join(tmp, "large_batch.keras")
         small.save(path)
         loaded = keras.saving.load_model(path)
-    same = np.allclose(loaded.predict(data[1][0][:100], verbose=0),
-                       small.predict(data[1][0][:100], verbose=0), atol=1e-5)
-    schedule = loaded.optimizer.get_config()["learning_rate"]     # the schedule's config
-    print(f"  schedule {schedule['class_name']}, "
-          f"BN {type(loaded.get_layer('stem_bn')).__name__}"
-          f"(virtual_batch_size={loaded.get_layer('stem_bn').virtual_batch_size}), "
-          f"same predictions: {same}")
+    same = np.allclose(
+        loaded.predict(data[1][0][:100], verbose=0),
+        small.predict(data[1][0][:100], verbose=0),
+        atol=1e-5,
+    )
+    schedule = loaded.optimizer.get_config()["learning_rate"]  # the schedule's config
+    print(
+        f"  schedule {schedule['class_name']}, "
+        f"BN {type(loaded.get_layer('stem_bn')).__name__}"
+        f"(virtual_batch_size={loaded.get_layer('stem_bn').virtual_batch_size}), "
+        f"same predictions: {same}"
+    )
     print("\n" + verdict(error_1, error_8, args.quick))
     return 0
 

@@ -47,14 +47,17 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def mlp():
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(256, activation="relu"),
-        keras.layers.Dense(128, activation="relu"),
-        keras.layers.Dropout(0.1),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(10),
-    ], name="mlp")
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(128, activation="relu"),
+            keras.layers.Dropout(0.1),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10),
+        ],
+        name="mlp",
+    )
 
 
 def short(device):
@@ -71,8 +74,7 @@ def main():
     keras.utils.set_random_seed(SEED)
     with strategy.scope():
         model = mlp()
-        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS,
-                      metrics=["accuracy"])
+        model.compile(optimizer=keras.optimizers.Adam(1e-3), loss=LOSS, metrics=["accuracy"])
     model.fit(x_train, y_train, batch_size=64, epochs=8, verbose=0)
     loss, acc = model.evaluate(x_test, y_test, verbose=0)
     print(f"test accuracy {acc:.3f} (loss {loss:.3f})")
@@ -86,11 +88,17 @@ def main():
         print(f"  {path:28s} {short(device)}")
     step = tf.function(lambda x, y: strategy.run(model.train_step, args=((x, y),)))
     graph = step.get_concrete_function(
-        tf.TensorSpec((None, 64)), tf.TensorSpec((None,), tf.int32)).graph
+        tf.TensorSpec((None, 64)), tf.TensorSpec((None,), tf.int32)
+    ).graph
     per_device = {}
     for op in graph.get_operations():
-        if op.type in ("MatMul", "BiasAddGrad", "ReluGrad", "AssignSubVariableOp",
-                       "AssignAddVariableOp"):
+        if op.type in (
+            "MatMul",
+            "BiasAddGrad",
+            "ReluGrad",
+            "AssignSubVariableOp",
+            "AssignAddVariableOp",
+        ):
             key = (short(op.device), op.type)
             per_device[key] = per_device.get(key, 0) + 1
     for (device, op_type), n in sorted(per_device.items()):
@@ -98,6 +106,7 @@ def main():
 
     # 3. Micro-batch pipelining changes the schedule, not the math.
     print("\n== 3. pipelined gradients vs one device ==")
+
     def copy_without_dropout():  # dropout would make the two runs differ
         copy = keras.models.clone_model(model)
         copy.set_weights(model.get_weights())
@@ -110,37 +119,50 @@ def main():
     x, y = x_test[:96], y_test[:96]
     reference = copy_without_dropout()  # stays on one device
     with tf.GradientTape() as tape:
-        ref_loss = reference.compute_loss(x=x, y=y, y_pred=reference(x, training=True),
-                                          training=True)
+        ref_loss = reference.compute_loss(
+            x=x, y=y, y_pred=reference(x, training=True), training=True
+        )
     ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
     partitioned = copy_without_dropout()
     check = ModelParallelStrategy(DEVICES, microbatches=4)
     check.place(partitioned)
     loss4, _, grads4 = tf.function(
-        lambda a, b: microbatch_gradients(partitioned, check.plan, (a, b), 4))(x, y)
-    worst = max(float(tf.reduce_max(tf.abs(g - r)) / tf.reduce_max(tf.abs(r)))
-                for g, r in zip(grads4, ref_grads))
-    print(f"loss {float(loss4):.6f} vs {float(ref_loss):.6f}; "
-          f"largest gradient difference / largest gradient = {worst:.1e}")
+        lambda a, b: microbatch_gradients(partitioned, check.plan, (a, b), 4)
+    )(x, y)
+    worst = max(
+        float(tf.reduce_max(tf.abs(g - r)) / tf.reduce_max(tf.abs(r)))
+        for g, r in zip(grads4, ref_grads)
+    )
+    print(
+        f"loss {float(loss4):.6f} vs {float(ref_loss):.6f}; "
+        f"largest gradient difference / largest gradient = {worst:.1e}"
+    )
 
     # 4a. An explicit partition: {layer name: device}; parameter-free layers
     # may be left out (they follow the previous layer).
     print("\n== 4. explicit partition; a layer too big for one device ==")
     names = [layer.name for layer in model.layers]
-    explicit = {names[0]: DEVICES[0], names[1]: DEVICES[0], names[3]: DEVICES[1],
-                names[4]: DEVICES[1]}
+    explicit = {
+        names[0]: DEVICES[0],
+        names[1]: DEVICES[0],
+        names[3]: DEVICES[1],
+        names[4]: DEVICES[1],
+    }
     print(plan_partition(model, DEVICES, explicit))
 
     # 4b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget. With
     # splitting off that is an error at plan time, naming the layer ...
     def wide_model():
-        return keras.Sequential([keras.Input((64,)),
-                                 keras.layers.Dense(4096, activation="relu", name="wide"),
-                                 keras.layers.Dense(10)])
+        return keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(4096, activation="relu", name="wide"),
+                keras.layers.Dense(10),
+            ]
+        )
 
     try:
-        plan_partition(wide_model(), DEVICES, device_budget_bytes=800_000,
-                       split_large_layers=False)
+        plan_partition(wide_model(), DEVICES, device_budget_bytes=800_000, split_large_layers=False)
     except ValueError as e:
         print(f"expected refusal (split_large_layers=False), a ValueError at plan time: {e}")
     # ... by default the planner splits it column-wise into as many shards as
@@ -152,8 +174,10 @@ def main():
         wide.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     wide.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
     print(budgeted.plan)
-    print(f"'wide' is now a {type(wide.get_layer('wide')).__name__}; test accuracy "
-          f"{wide.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
+    print(
+        f"'wide' is now a {type(wide.get_layer('wide')).__name__}; test accuracy "
+        f"{wide.evaluate(x_test, y_test, verbose=0)[1]:.3f}"
+    )
     # (In a functional model, write the layer as ColumnParallelDense(4096,
     # num_shards=2) yourself: automatic splitting needs a Sequential model.)
 
@@ -164,13 +188,19 @@ def main():
     deep = ModelParallelStrategy(DEVICES, device_budget_bytes=300_000)
     keras.utils.set_random_seed(SEED)
     with deep.scope():
-        large = keras.Sequential([keras.Input((64,)),
-                                  keras.layers.Dense(256, activation="relu", name="l1"),
-                                  keras.layers.Dense(256, activation="relu", name="l2"),
-                                  keras.layers.Dense(10, name="l3")])
-    print(f"{4 * large.count_params():,} parameter bytes, 300,000 B per device; "
-          "created on: " + ", ".join(f"{layer.name} {short(layer.kernel.value.device)}"
-                                     for layer in large.layers))
+        large = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(256, activation="relu", name="l1"),
+                keras.layers.Dense(256, activation="relu", name="l2"),
+                keras.layers.Dense(10, name="l3"),
+            ]
+        )
+    print(
+        f"{4 * large.count_params():,} parameter bytes, 300,000 B per device; "
+        "created on: "
+        + ", ".join(f"{layer.name} {short(layer.kernel.value.device)}" for layer in large.layers)
+    )
     large.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     large.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
     print(deep.plan)
@@ -182,8 +212,9 @@ def main():
         model.save(path)
         with strategy.scope():
             loaded = keras.models.load_model(path)
-    same = np.allclose(loaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0),
-                       atol=1e-5)
+    same = np.allclose(
+        loaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0), atol=1e-5
+    )
     print(f"reloaded predictions identical: {same}")
 
     # 6. The engine alone: plan and place a model built anywhere (this is how a
@@ -199,10 +230,12 @@ def main():
     print(f"test accuracy {plain.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
 
     # The README's claims: gradients equal (checked here), speed (the benchmark).
-    print(f"\nVERDICT: pipelined gradients equal one device's: {'yes' if worst < 1e-5 else 'no'} "
-          f"(largest difference / largest gradient {worst:.1e}, seed {SEED}); the README's "
-          "pipelining speed-up (1.45x, batch 2048, 4 micro-batches) needs the long run: "
-          "python -m benchmarks.run model_parallel")
+    print(
+        f"\nVERDICT: pipelined gradients equal one device's: {'yes' if worst < 1e-5 else 'no'} "
+        f"(largest difference / largest gradient {worst:.1e}, seed {SEED}); the README's "
+        "pipelining speed-up (1.45x, batch 2048, 4 micro-batches) needs the long run: "
+        "python -m benchmarks.run model_parallel"
+    )
 
 
 if __name__ == "__main__":

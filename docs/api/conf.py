@@ -22,4 +22,4 @@ autodoc_default_options = {"members": True, "show-inheritance": True}
 nitpicky = False
 exclude_patterns = ["_build"]
 html_theme = "alabaster"
-autodoc_inherit_docstrings = False   # TensorFlow's are Markdown, not reST
+autodoc_inherit_docstrings = False  # TensorFlow's are Markdown, not reST

@@ -38,8 +38,13 @@ class CompressionLogger(keras.callbacks.Callback):
       512.0
     """
 
-    KEYS = ("wire_bytes", "dense_bytes", "compression_ratio", "compress_seconds",
-            "compress_fraction")
+    KEYS = (
+        "wire_bytes",
+        "dense_bytes",
+        "compression_ratio",
+        "compress_seconds",
+        "compress_fraction",
+    )
 
     def __init__(self, strategy: tf.distribute.Strategy | None = None, verbose: int = 0):
         super().__init__()
@@ -63,7 +68,8 @@ class CompressionLogger(keras.callbacks.Callback):
             raise ValueError(
                 "CompressionLogger: needs a CompressedMirroredStrategy or "
                 "CompressedMultiWorkerMirroredStrategy (pass strategy=... or build the "
-                f"model under its scope), got {type(strategy).__name__}")
+                f"model under its scope), got {type(strategy).__name__}"
+            )
         return strategy
 
     def on_train_begin(self, logs=None):
@@ -93,9 +99,11 @@ class CompressionLogger(keras.callbacks.Callback):
         if logs is not None:
             logs.update({k: row[k] for k in self.KEYS})
         if self.verbose:
-            print(f"compression epoch {epoch + 1}: sent {wire / 1e6:.3f} MB for "
-                  f"{dense / 1e6:.3f} MB dense (x{row['compression_ratio']:.1f}), "
-                  f"{seconds:.3f}s compressing ({100 * row['compress_fraction']:.1f}%)")
+            print(
+                f"compression epoch {epoch + 1}: sent {wire / 1e6:.3f} MB for "
+                f"{dense / 1e6:.3f} MB dense (x{row['compression_ratio']:.1f}), "
+                f"{seconds:.3f}s compressing ({100 * row['compress_fraction']:.1f}%)"
+            )
 
     def get_config(self):
         return {"verbose": self.verbose}
@@ -122,8 +130,7 @@ class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
       >>> model.fit(ds, epochs=10, callbacks=[cb])   # doctest: +SKIP
     """
 
-    def __init__(self, backup_dir: str, strategy: tf.distribute.Strategy | None = None,
-                 **kwargs):
+    def __init__(self, backup_dir: str, strategy: tf.distribute.Strategy | None = None, **kwargs):
         super().__init__(backup_dir, **kwargs)
         self.strategy = strategy
 
@@ -157,6 +164,9 @@ class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
         tf.train.CheckpointManager(ckpt, self._state_dir(), max_to_keep=2).save()
 
     def get_config(self):
-        return {"backup_dir": self.backup_dir, "save_freq": self.save_freq,
-                "double_checkpoint": self.double_checkpoint,
-                "delete_checkpoint": self.delete_checkpoint}
+        return {
+            "backup_dir": self.backup_dir,
+            "save_freq": self.save_freq,
+            "double_checkpoint": self.double_checkpoint,
+            "delete_checkpoint": self.delete_checkpoint,
+        }

@@ -133,20 +133,35 @@ class LinearScalingWarmup(keras.callbacks.Callback):
       0.2
     """
 
-    def __init__(self, base_learning_rate: float, base_batch_size: int, *,
-                 batch_size: int | None = None, per_replica_batch_size: int | None = None,
-                 data: tf.data.Dataset | None = None, warmup_epochs: float = 5,
-                 warmup: Literal["gradual", "constant"] = "gradual",
-                 steps_per_epoch: int | None = None, momentum_correction: bool = False,
-                 verbose: int = 0):
+    def __init__(
+        self,
+        base_learning_rate: float,
+        base_batch_size: int,
+        *,
+        batch_size: int | None = None,
+        per_replica_batch_size: int | None = None,
+        data: tf.data.Dataset | None = None,
+        warmup_epochs: float = 5,
+        warmup: Literal["gradual", "constant"] = "gradual",
+        steps_per_epoch: int | None = None,
+        momentum_correction: bool = False,
+        verbose: int = 0,
+    ):
         super().__init__()
         owner = "LinearScalingWarmup"
         self.base_learning_rate = _validate.positive_number(
-            owner, "base_learning_rate", base_learning_rate)
+            owner, "base_learning_rate", base_learning_rate
+        )
         self.base_batch_size = _validate.positive_int(owner, "base_batch_size", base_batch_size)
-        sources = [s for s, v in (("batch_size", batch_size),
-                                  ("per_replica_batch_size", per_replica_batch_size),
-                                  ("data", data)) if v is not None]
+        sources = [
+            s
+            for s, v in (
+                ("batch_size", batch_size),
+                ("per_replica_batch_size", per_replica_batch_size),
+                ("data", data),
+            )
+            if v is not None
+        ]
         if len(sources) != 1:
             raise ValueError(
                 f"{owner}: give exactly one of batch_size, per_replica_batch_size "
@@ -154,12 +169,14 @@ class LinearScalingWarmup(keras.callbacks.Callback):
             )
         self.batch_size = _validate.positive_int(owner, "batch_size", batch_size, allow_none=True)
         self.per_replica_batch_size = _validate.positive_int(
-            owner, "per_replica_batch_size", per_replica_batch_size, allow_none=True)
+            owner, "per_replica_batch_size", per_replica_batch_size, allow_none=True
+        )
         self.data_batch_size = None if data is None else _static_batch(owner, data)
         self.warmup_epochs = _validate.positive_number(owner, "warmup_epochs", warmup_epochs)
         self.warmup = _validate.warmup_kind(owner, warmup)
         self.steps_per_epoch = _validate.positive_int(
-            owner, "steps_per_epoch", steps_per_epoch, allow_none=True)
+            owner, "steps_per_epoch", steps_per_epoch, allow_none=True
+        )
         self.momentum_correction = bool(momentum_correction)
         self.verbose = verbose
         self.schedule = None
@@ -198,9 +215,13 @@ class LinearScalingWarmup(keras.callbacks.Callback):
         epochs = (self.params or {}).get("epochs")
         self.global_batch_size = self._global_batch()
         self.schedule = LinearScaling(
-            self.base_learning_rate, self.base_batch_size, self.global_batch_size,
-            warmup_epochs=self.warmup_epochs, steps_per_epoch=int(steps),
-            warmup=self.warmup, total_epochs=epochs,
+            self.base_learning_rate,
+            self.base_batch_size,
+            self.global_batch_size,
+            warmup_epochs=self.warmup_epochs,
+            steps_per_epoch=int(steps),
+            warmup=self.warmup,
+            total_epochs=epochs,
         )
         self._factor, self._last_set, self._previous_rate = 1.0, None, None
         self._done = int(optimizer.iterations.numpy()) > self.schedule.warmup_steps
@@ -217,7 +238,7 @@ class LinearScalingWarmup(keras.callbacks.Callback):
         if self._last_set is not None:
             current = _current_rate(optimizer)
             if not np.isclose(current, self._last_set, rtol=1e-6, atol=0.0):
-                self._factor *= current / self._last_set   # someone else changed it
+                self._factor *= current / self._last_set  # someone else changed it
         rate = float(self.schedule(step)) * self._factor
         optimizer.learning_rate = rate
         self._last_set = _current_rate(optimizer)
@@ -229,15 +250,19 @@ class LinearScalingWarmup(keras.callbacks.Callback):
         if logs is not None:
             logs["learning_rate"] = rate
         if self.verbose:
-            print(f"\nEpoch {epoch + 1}: LinearScalingWarmup learning rate {rate:.6g} "
-                  f"(global batch {self.global_batch_size}, "
-                  f"k = {self.schedule.scale:g})")
+            print(
+                f"\nEpoch {epoch + 1}: LinearScalingWarmup learning rate {rate:.6g} "
+                f"(global batch {self.global_batch_size}, "
+                f"k = {self.schedule.scale:g})"
+            )
 
 
 def _static_batch(owner, data):
     spec = getattr(data, "element_spec", None)
     if spec is None:
-        raise ValueError(f"{owner}: data must be a batched tf.data.Dataset, got {type(data).__name__}")
+        raise ValueError(
+            f"{owner}: data must be a batched tf.data.Dataset, got {type(data).__name__}"
+        )
     first = spec[0] if isinstance(spec, (tuple, list)) else spec
     while isinstance(first, (tuple, list)):
         first = first[0]

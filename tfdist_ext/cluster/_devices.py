@@ -39,9 +39,7 @@ def logical_cpus(n, threads_per_device=None):
                 cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)]
             )
             if threads_per_device:
-                tf.config.threading.set_intra_op_parallelism_threads(
-                    threads_per_device * n
-                )
+                tf.config.threading.set_intra_op_parallelism_threads(threads_per_device * n)
         except RuntimeError as e:
             existing = len(tf.config.list_logical_devices("CPU"))
             if existing < n:

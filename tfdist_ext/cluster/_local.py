@@ -23,9 +23,7 @@ from tfdist_ext.cluster import _netns
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 
 HOST = "127.0.0.1"
-_PACKAGE_PARENT = os.path.dirname(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-)
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _DEVICE_RE = re.compile(rb"/job:[a-z_]+/replica:\d+/task:\d+/device:[A-Z_]+:\d+")
 _LOG_LINES = 2000
 _PROGRESS_AFTER = 2.0
@@ -84,8 +82,7 @@ def ping(address, timeout=5.0):
         reply = call(b"", timeout=timeout)
     except grpc.RpcError as e:
         raise ClusterTimeoutError(
-            f"task at {address} did not answer within {timeout:.1f}s "
-            f"({e.code().name})"
+            f"task at {address} did not answer within {timeout:.1f}s ({e.code().name})"
         ) from None
     finally:
         channel.close()
@@ -116,17 +113,22 @@ class _Task:
         )
         self._lines.clear()
         self._ready.clear()
-        self.process = spawn(self, lambda: subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-        ))
+        self.process = spawn(
+            self,
+            lambda: subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+            ),
+        )
         self._reader = threading.Thread(
-            target=self._read, args=(self.process.stdout,),
-            name=f"tfdist-ext-log-{self.job}-{self.index}", daemon=True,
+            target=self._read,
+            args=(self.process.stdout,),
+            name=f"tfdist-ext-log-{self.job}-{self.index}",
+            daemon=True,
         )
         self._reader.start()
 
@@ -288,9 +290,7 @@ class LocalCluster:
             ("devices_per_worker", devices_per_worker, 1),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(
-                    f"LocalCluster: {name} must be an integer >= {low}, got {value!r}"
-                )
+                raise ValueError(f"LocalCluster: {name} must be an integer >= {low}, got {value!r}")
         if inter_op_threads is not None and (
             not isinstance(inter_op_threads, int) or inter_op_threads < 1
         ):
@@ -303,8 +303,7 @@ class LocalCluster:
                 f"LocalCluster: start_timeout must be > 0 seconds, got {start_timeout!r}"
             )
         if command is not None and (
-            isinstance(command, str) or not command
-            or not all(isinstance(a, str) for a in command)
+            isinstance(command, str) or not command or not all(isinstance(a, str) for a in command)
         ):
             raise ValueError(
                 "LocalCluster: command must be a non-empty list of strings, e.g. "
@@ -332,21 +331,24 @@ class LocalCluster:
         self._in_hub = False
         self._strategies = weakref.WeakSet()
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._strategies, list(self._tasks.values()), False)
+            self, _shutdown, self._strategies, list(self._tasks.values()), False
+        )
         atexit.register(self._finalizer)
 
     def _choose_network(self, isolated, bandwidth):
         """The hub to isolate the cluster in, or ``None`` for 127.0.0.1."""
         self._why_loopback = "isolated=False"
         if isolated is not None and not isinstance(isolated, bool):
-            raise ValueError(f"LocalCluster: isolated must be None, True or False, got {isolated!r}")
+            raise ValueError(
+                f"LocalCluster: isolated must be None, True or False, got {isolated!r}"
+            )
         if isolated is False and bandwidth:
             raise ValueError(
                 "LocalCluster: bandwidth needs an isolated cluster (each task's link "
                 "is rate-limited in its own network namespace); drop isolated=False"
             )
         if isolated is None and not bandwidth and _NETWORK["kind"] == "loopback":
-            return None   # the default follows this process's first cluster
+            return None  # the default follows this process's first cluster
         missing = _netns.missing_requirements()
         hub = None
         if not missing and isolated is not False:
@@ -379,6 +381,7 @@ class LocalCluster:
 
             def task_address():
                 return f"{HOST}:{free_port()}"
+
         spec = {}
         if chief:
             spec["chief"] = [chief_address]
@@ -424,8 +427,7 @@ class LocalCluster:
                 self._warn_open_ports()
             for task in self._tasks.values():
                 self._start_task(task)
-            servers = [t for t in self._tasks.values()
-                       if not (self._command and t.job == "worker")]
+            servers = [t for t in self._tasks.values() if not (self._command and t.job == "worker")]
             self._wait_ready(servers, self.start_timeout)
         except BaseException:
             self.stop()
@@ -619,12 +621,12 @@ class LocalCluster:
             return popen()
         try:
             process, task.namespace = self._hub.spawn(
-                task.address.split(":")[0], self.bandwidth, popen, task.namespace)
+                task.address.split(":")[0], self.bandwidth, popen, task.namespace
+            )
             return process
         except (_netns.NetworkError, OSError) as e:
             raise ClusterError(
-                f"LocalCluster: could not link task {task.name} to the cluster's "
-                f"network: {e}"
+                f"LocalCluster: could not link task {task.name} to the cluster's network: {e}"
             ) from None
 
     def _argv(self, job):
@@ -632,10 +634,15 @@ class LocalCluster:
             return self._command
         devices = self._devices_per_worker if job == "worker" else 1
         return [
-            sys.executable, "-m", "tfdist_ext.server",
-            "--intra-op-threads", str(self._intra_op),
-            "--inter-op-threads", str(self._inter_op),
-            "--cpu-devices", str(devices),
+            sys.executable,
+            "-m",
+            "tfdist_ext.server",
+            "--intra-op-threads",
+            str(self._intra_op),
+            "--inter-op-threads",
+            str(self._inter_op),
+            "--cpu-devices",
+            str(devices),
             "--no-warning",
         ]
 
@@ -649,7 +656,8 @@ class LocalCluster:
             "every interface without authentication and run any graph sent to them; "
             "anyone who can reach this machine can read and write its files. This "
             "process cannot isolate the cluster (%s). See SECURITY.md.",
-            ports, self._why_loopback,
+            ports,
+            self._why_loopback,
         )
 
     def _describe(self):
@@ -695,17 +703,22 @@ class LocalCluster:
                     f"LocalCluster: task(s) {names} did not answer within "
                     f"{timeout:.0f}s (start_timeout)"
                 )
-            if pending and not announced and self.verbose and (
-                time.monotonic() - start > _PROGRESS_AFTER
+            if (
+                pending
+                and not announced
+                and self.verbose
+                and (time.monotonic() - start > _PROGRESS_AFTER)
             ):
                 announced = True
-                print(f"LocalCluster: starting {self._describe()} ...",
-                      file=sys.stderr, flush=True)
+                print(f"LocalCluster: starting {self._describe()} ...", file=sys.stderr, flush=True)
             if pending:
                 time.sleep(0.1)
         if announced:
-            print(f"LocalCluster: ready in {time.monotonic() - start:.1f}s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"LocalCluster: ready in {time.monotonic() - start:.1f}s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def _check_network_kind(kind):
@@ -757,8 +770,9 @@ def _signal(pid, sig):
 def attach_to_local_cluster(cluster_resolver, strategy):
     """Registers ``strategy`` with the running LocalCluster it connects to, if any,
     so that the cluster closes it before stopping. Returns that cluster or ``None``."""
-    spec = {job: list(addresses)
-            for job, addresses in cluster_resolver.cluster_spec().as_dict().items()}
+    spec = {
+        job: list(addresses) for job, addresses in cluster_resolver.cluster_spec().as_dict().items()
+    }
     for cluster in list(_RUNNING):
         if cluster._spec == spec:
             cluster._strategies.add(strategy)

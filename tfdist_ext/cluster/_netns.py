@@ -131,8 +131,12 @@ def run_in(namespace_fd, tool, commands, timeout=COMMAND_TIMEOUT):
         text = "\n".join(commands) + "\n"
         try:
             result = subprocess.run(
-                [_tool(tool), "-batch", "-"], input=text, capture_output=True,
-                text=True, timeout=timeout, check=False,
+                [_tool(tool), "-batch", "-"],
+                input=text,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
             )
         except subprocess.TimeoutExpired:
             raise NetworkError(
@@ -140,8 +144,7 @@ def run_in(namespace_fd, tool, commands, timeout=COMMAND_TIMEOUT):
             ) from None
         if result.returncode != 0:
             raise NetworkError(
-                f"'{tool}' failed (status {result.returncode}) on:\n{text}"
-                f"{result.stderr.strip()}"
+                f"'{tool}' failed (status {result.returncode}) on:\n{text}{result.stderr.strip()}"
             )
 
     _in_thread(run)
@@ -150,8 +153,7 @@ def run_in(namespace_fd, tool, commands, timeout=COMMAND_TIMEOUT):
 def _rate_limit(device, bits_per_second):
     # The bucket holds at least 32 KiB and 4 ms of traffic at the rate.
     burst = max(32 * 1024, bits_per_second // 8 // 250)
-    return (f"qdisc add dev {device} root tbf rate {bits_per_second}bit "
-            f"burst {burst} latency 50ms")
+    return f"qdisc add dev {device} root tbf rate {bits_per_second}bit burst {burst} latency 50ms"
 
 
 class Hub:
@@ -163,12 +165,16 @@ class Hub:
         self._names = itertools.count()
         self._addresses = itertools.count(2)
         self._lock = threading.Lock()
-        run_in(self.fd, "ip", [
-            "link set lo up",
-            "link add br0 type bridge",
-            f"addr add {CHIEF_IP}/16 dev br0",
-            "link set br0 up",
-        ])
+        run_in(
+            self.fd,
+            "ip",
+            [
+                "link set lo up",
+                "link add br0 type bridge",
+                f"addr add {CHIEF_IP}/16 dev br0",
+                "link set br0 up",
+            ],
+        )
 
     @staticmethod
     def _create():
@@ -216,6 +222,7 @@ class Hub:
         output tell why).
         """
         if namespace is not None:
+
             def in_namespace():
                 _setns(namespace)
                 return popen()
@@ -246,16 +253,24 @@ class Hub:
     def _link(self, pid, namespace, ip, bandwidth):
         with self._lock:
             hub_end = f"tfx{next(self._names)}"
-        run_in(self.fd, "ip", [
-            f"link add {hub_end} type veth peer name eth0 netns {pid}",
-            f"link set {hub_end} master br0",
-            f"link set {hub_end} up",
-        ])
-        run_in(namespace, "ip", [
-            "link set lo up",
-            f"addr add {ip}/16 dev eth0",
-            "link set eth0 up",
-        ])
+        run_in(
+            self.fd,
+            "ip",
+            [
+                f"link add {hub_end} type veth peer name eth0 netns {pid}",
+                f"link set {hub_end} master br0",
+                f"link set {hub_end} up",
+            ],
+        )
+        run_in(
+            namespace,
+            "ip",
+            [
+                "link set lo up",
+                f"addr add {ip}/16 dev eth0",
+                "link set eth0 up",
+            ],
+        )
         if bandwidth:
             run_in(self.fd, "tc", [_rate_limit(hub_end, bandwidth)])
             run_in(namespace, "tc", [_rate_limit("eth0", bandwidth)])

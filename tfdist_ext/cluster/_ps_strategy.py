@@ -133,15 +133,19 @@ class ParameterServerBase(_PSSV2):
         # TensorFlow logs an RPC error for every message to a dead task;
         # those tasks are known here, the lines would say nothing new.
         dead = self._dead_tasks()
-        patterns = [s.encode() for job, index, address in dead
-                    for s in (address, f"/job:{job}/replica:0/task:{index}")]
+        patterns = [
+            s.encode()
+            for job, index, address in dead
+            for s in (address, f"/job:{job}/replica:0/task:{index}")
+        ]
         with native_log_without(patterns):
             self._stop_runtime()
             try:
                 self._bring_parameters_back(
-                    [f"ps:{index} at {address}" for job, index, address in dead if job == "ps"])
+                    [f"ps:{index} at {address}" for job, index, address in dead if job == "ps"]
+                )
             finally:
-                gc.collect()   # remote handles go while their tasks still answer
+                gc.collect()  # remote handles go while their tasks still answer
                 _integration.disconnect_from_cluster()
 
     def _check_open(self):
@@ -205,8 +209,12 @@ class ParameterServerBase(_PSSV2):
         # strategy's scope may be open) places the copies back on the cluster.
         with tf.init_scope(), _integration.colocate_with(None, ignore_existing=True):
             for v, value in zip(remote, values):
-                _integration.replace_variable_value(v, _integration.ResourceVariable(
-                    value, dtype=v.dtype, trainable=v.trainable, name=v.name))
+                _integration.replace_variable_value(
+                    v,
+                    _integration.ResourceVariable(
+                        value, dtype=v.dtype, trainable=v.trainable, name=v.name
+                    ),
+                )
 
     def _keras_objects(self):
         """Models and optimizers built under this strategy, among the live objects
@@ -236,8 +244,10 @@ class ParameterServerBase(_PSSV2):
 
 def _is_remote(variable):
     """Whether a Keras variable's value lives on another task of the cluster."""
-    return any("/job:ps/" in piece.device or "/job:worker/" in piece.device
-               for piece in components(variable))
+    return any(
+        "/job:ps/" in piece.device or "/job:worker/" in piece.device
+        for piece in components(variable)
+    )
 
 
 def variable_bytes(kwargs):

@@ -28,9 +28,7 @@ class TFConfigError(ValueError):
 def _check_address(job, index, address):
     field = f"cluster.{job}[{index}]"
     if not isinstance(address, str) or address.count(":") != 1:
-        raise TFConfigError(
-            f"TF_CONFIG field {field}: expected 'host:port', got {address!r}"
-        )
+        raise TFConfigError(f"TF_CONFIG field {field}: expected 'host:port', got {address!r}")
     host, port = address.split(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise TFConfigError(
@@ -78,22 +76,18 @@ def parse_tf_config(text=None, *, require_jobs=()):
             )
         if not isinstance(addresses, list) or not addresses:
             raise TFConfigError(
-                f"TF_CONFIG field cluster.{job}: expected a non-empty list "
-                "of 'host:port' addresses"
+                f"TF_CONFIG field cluster.{job}: expected a non-empty list of 'host:port' addresses"
             )
         for i, address in enumerate(addresses):
             _check_address(job, i, address)
     for job in require_jobs:
         if job not in cluster:
             raise TFConfigError(
-                f"TF_CONFIG field cluster.{job}: missing; this strategy "
-                f"needs a {job!r} job"
+                f"TF_CONFIG field cluster.{job}: missing; this strategy needs a {job!r} job"
             )
     task = config.get("task")
     if not isinstance(task, dict):
-        raise TFConfigError(
-            "TF_CONFIG field task: expected an object with 'type' and 'index'"
-        )
+        raise TFConfigError("TF_CONFIG field task: expected an object with 'type' and 'index'")
     task_type = task.get("type")
     if task_type not in cluster:
         raise TFConfigError(
@@ -102,9 +96,7 @@ def parse_tf_config(text=None, *, require_jobs=()):
         )
     index = task.get("index", 0)
     if isinstance(index, bool) or not isinstance(index, int):
-        raise TFConfigError(
-            f"TF_CONFIG field task.index: expected an integer, got {index!r}"
-        )
+        raise TFConfigError(f"TF_CONFIG field task.index: expected an integer, got {index!r}")
     if not 0 <= index < len(cluster[task_type]):
         raise TFConfigError(
             f"TF_CONFIG field task.index: {index} is out of range for job "

@@ -43,10 +43,19 @@ from tfdist_ext.compression._strategy import CompressedMultiWorkerMirroredStrate
 from tfdist_ext.compression._strategy import CompressionState
 
 _NAMES = {
-    "none": NoCompression, "fp16": FP16, "bf16": BF16, "topk": TopK,
-    "randomk": RandomK, "threshold": Threshold, "dgc": DGC, "qsgd": QSGD,
-    "terngrad": TernGrad, "onebit": OneBit, "signsgd": SignSGD,
-    "efsignsgd": EFSignSGD, "powersgd": PowerSGD,
+    "none": NoCompression,
+    "fp16": FP16,
+    "bf16": BF16,
+    "topk": TopK,
+    "randomk": RandomK,
+    "threshold": Threshold,
+    "dgc": DGC,
+    "qsgd": QSGD,
+    "terngrad": TernGrad,
+    "onebit": OneBit,
+    "signsgd": SignSGD,
+    "efsignsgd": EFSignSGD,
+    "powersgd": PowerSGD,
 }
 
 
@@ -66,6 +75,7 @@ def get(identifier: str | dict | Compressor, **kwargs) -> Compressor:
         return identifier
     if isinstance(identifier, dict):
         import keras
+
         return keras.saving.deserialize_keras_object(identifier)
     if isinstance(identifier, str):
         key = identifier.lower()
@@ -75,20 +85,40 @@ def get(identifier: str | dict | Compressor, **kwargs) -> Compressor:
             return _NAMES[key](**kwargs)
     raise ValueError(
         f"compression.get: unknown compressor {identifier!r}; expected a Compressor, "
-        f"a config dict or one of {sorted(_NAMES)} (optionally prefixed 'ef_')")
+        f"a config dict or one of {sorted(_NAMES)} (optionally prefixed 'ef_')"
+    )
 
 
 def __getattr__(name):
     # Lazy: the callback lives in tfdist_ext.callbacks (another package).
     if name in ("CompressionLogger", "CompressedBackupAndRestore"):
         from tfdist_ext.callbacks import _compression
+
         return getattr(_compression, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "BF16", "CompressedBackupAndRestore", "CompressionLogger", "CompressedMirroredStrategy", "CompressedMultiWorkerMirroredStrategy",
-    "CompressionState", "Compressor", "DGC", "EFSignSGD", "ErrorFeedback", "FP16",
-    "NoCompression", "OneBit", "PowerSGD", "QSGD", "RandomK", "ScaledSign", "SignSGD",
-    "TernGrad", "Threshold", "TopK", "get",
+    "BF16",
+    "CompressedBackupAndRestore",
+    "CompressionLogger",
+    "CompressedMirroredStrategy",
+    "CompressedMultiWorkerMirroredStrategy",
+    "CompressionState",
+    "Compressor",
+    "DGC",
+    "EFSignSGD",
+    "ErrorFeedback",
+    "FP16",
+    "NoCompression",
+    "OneBit",
+    "PowerSGD",
+    "QSGD",
+    "RandomK",
+    "ScaledSign",
+    "SignSGD",
+    "TernGrad",
+    "Threshold",
+    "TopK",
+    "get",
 ]

@@ -94,8 +94,9 @@ class Compressor:
         """The dense gradient a ``wire`` stands for (receiver side)."""
         raise NotImplementedError
 
-    def aggregate(self, wires: Sequence[Tensors], shape: Shape,
-                  dtype: DType = tf.float32) -> tf.Tensor:
+    def aggregate(
+        self, wires: Sequence[Tensors], shape: Shape, dtype: DType = tf.float32
+    ) -> tf.Tensor:
         """Sum over senders of the decompressed wires (receiver side)."""
         total = self.decompress(wires[0], shape, dtype)
         for w in wires[1:]:
@@ -106,8 +107,9 @@ class Compressor:
         """Bytes the wire form occupies (int64 tensor)."""
         return _wire.wire_bytes(wire)
 
-    def roundtrip(self, grad: tf.Tensor, state: Tensors | None = None,
-                  step: Counter = 0) -> tuple[tf.Tensor, Tensors]:
+    def roundtrip(
+        self, grad: tf.Tensor, state: Tensors | None = None, step: Counter = 0
+    ) -> tuple[tf.Tensor, Tensors]:
         """``decompress(compress(grad))``: what a receiver reconstructs; returns ``(grad, state)``."""
         grad = tf.convert_to_tensor(grad)
         if state is None:
@@ -123,8 +125,9 @@ class Compressor:
         return cls(**config)
 
     def __repr__(self):
-        args = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items()
-                         if not isinstance(v, dict))
+        args = ", ".join(
+            f"{k}={v!r}" for k, v in self.get_config().items() if not isinstance(v, dict)
+        )
         return f"{type(self).__name__}({args})"
 
 
@@ -171,10 +174,12 @@ class ErrorFeedback(Compressor):
         if not isinstance(compressor, Compressor):
             raise ValueError(
                 f"ErrorFeedback: compressor must be a tfdist_ext.compression."
-                f"Compressor, got {compressor!r}")
+                f"Compressor, got {compressor!r}"
+            )
         self.compressor = compressor
-        self.min_size = check_positive(type(self).__name__, "min_size", min_size,
-                                       integer=True, allow_zero=True)
+        self.min_size = check_positive(
+            type(self).__name__, "min_size", min_size, integer=True, allow_zero=True
+        )
         self.name = f"ef_{compressor.name}"
 
     def is_dense(self, shape: Shape) -> bool:
@@ -193,8 +198,10 @@ class ErrorFeedback(Compressor):
         self.check_dtype(dtype)
         if self.is_dense(shape):
             return {}
-        return {"residual": tf.zeros(shape, tf.float32),
-                "inner": self.compressor.init(shape, dtype)}
+        return {
+            "residual": tf.zeros(shape, tf.float32),
+            "inner": self.compressor.init(shape, dtype),
+        }
 
     def compress(self, grad, state, step, epoch=None):
         if self.is_dense(grad.shape):

@@ -56,8 +56,9 @@ def select_topk(magnitude, k, seed):
     ks = tf.maximum(tf.cast(tf.math.ceil(tf.cast(k, tf.float32) * s / n), tf.int32), 1)
     threshold = tf.reduce_min(tf.math.top_k(sample, ks, sorted=False).values)
     candidates = tf.cast(tf.reshape(tf.where(magnitude >= threshold), [-1]), tf.int32)
-    chosen = tf.math.top_k(tf.gather(magnitude, candidates),
-                           tf.minimum(k, tf.size(candidates)), sorted=False).indices
+    chosen = tf.math.top_k(
+        tf.gather(magnitude, candidates), tf.minimum(k, tf.size(candidates)), sorted=False
+    ).indices
     return tf.gather(candidates, chosen)
 
 
@@ -250,9 +251,11 @@ class QSGD(Compressor):
         level = tf.cast(tf.floor(scaled + noise), tf.int32)
         level = tf.minimum(level, self.levels)
         sign = tf.cast(flat < 0, tf.int32)
-        return {"norm": tf.reshape(norm, [1]),
-                "signs": _wire.pack_bits(sign, 1),
-                "levels": _wire.pack_bits(level, self.bits)}, state
+        return {
+            "norm": tf.reshape(norm, [1]),
+            "signs": _wire.pack_bits(sign, 1),
+            "levels": _wire.pack_bits(level, self.bits),
+        }, state
 
     def decompress(self, wire, shape, dtype=tf.float32):
         n = _num(shape)
@@ -385,10 +388,11 @@ class _OneBitQuantizer(_SignBits):
         neg = flat < 0
         pos_mean = tf.math.divide_no_nan(
             tf.reduce_sum(tf.where(neg, 0.0, flat)),
-            tf.reduce_sum(tf.cast(tf.logical_not(neg), tf.float32)))
+            tf.reduce_sum(tf.cast(tf.logical_not(neg), tf.float32)),
+        )
         neg_mean = tf.math.divide_no_nan(
-            tf.reduce_sum(tf.where(neg, flat, 0.0)),
-            tf.reduce_sum(tf.cast(neg, tf.float32)))
+            tf.reduce_sum(tf.where(neg, flat, 0.0)), tf.reduce_sum(tf.cast(neg, tf.float32))
+        )
         return {"means": tf.stack([pos_mean, neg_mean]), "signs": self._signs(flat)}, state
 
     def decompress(self, wire, shape, dtype=tf.float32):
@@ -411,7 +415,9 @@ class OneBit(ErrorFeedback):
     """
 
     def __init__(self, compressor: Compressor | dict | None = None, min_size: int = 0):
-        super().__init__(_OneBitQuantizer() if compressor is None else compressor, min_size=min_size)
+        super().__init__(
+            _OneBitQuantizer() if compressor is None else compressor, min_size=min_size
+        )
         self.name = "onebit"
 
     def get_config(self):
@@ -561,15 +567,27 @@ class DGC(Compressor):
 
     name = "dgc"
 
-    def __init__(self, sparsity: float = 0.999, momentum: float = 0.9,
-                 clip_norm: float | None = None, warmup_epochs: int = 4,
-                 steps_per_epoch: int | None = None, momentum_correction: bool = True,
-                 min_size: int = 0):
-        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) \
-                or not 0.0 <= sparsity < 1.0:
+    def __init__(
+        self,
+        sparsity: float = 0.999,
+        momentum: float = 0.9,
+        clip_norm: float | None = None,
+        warmup_epochs: int = 4,
+        steps_per_epoch: int | None = None,
+        momentum_correction: bool = True,
+        min_size: int = 0,
+    ):
+        if (
+            isinstance(sparsity, bool)
+            or not isinstance(sparsity, (int, float))
+            or not 0.0 <= sparsity < 1.0
+        ):
             raise ValueError(f"DGC: sparsity must be a number in [0, 1), got {sparsity!r}")
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) \
-                or not 0.0 <= momentum < 1.0:
+        if (
+            isinstance(momentum, bool)
+            or not isinstance(momentum, (int, float))
+            or not 0.0 <= momentum < 1.0
+        ):
             raise ValueError(f"DGC: momentum must be a number in [0, 1), got {momentum!r}")
         if clip_norm is not None:
             check_positive("DGC", "clip_norm", clip_norm)
@@ -582,8 +600,7 @@ class DGC(Compressor):
         self.warmup_epochs = warmup_epochs
         self.steps_per_epoch = steps_per_epoch
         self.momentum_correction = bool(momentum_correction)
-        self.min_size = check_positive("DGC", "min_size", min_size, integer=True,
-                                       allow_zero=True)
+        self.min_size = check_positive("DGC", "min_size", min_size, integer=True, allow_zero=True)
 
     @property
     def follows_epochs(self):
@@ -601,8 +618,7 @@ class DGC(Compressor):
 
     def init(self, shape, dtype=tf.float32):
         self.check_dtype(dtype)
-        return {"u": tf.zeros([_num(shape)], tf.float32),
-                "v": tf.zeros([_num(shape)], tf.float32)}
+        return {"u": tf.zeros([_num(shape)], tf.float32), "v": tf.zeros([_num(shape)], tf.float32)}
 
     def density(self, step, epoch=None):
         """Fraction of entries sent at optimizer step ``step`` of epoch ``epoch`` (float32 tensor).
@@ -619,7 +635,8 @@ class DGC(Compressor):
                 f"DGC: the warm-up (warmup_epochs={self.warmup_epochs}) needs to know where "
                 "epochs end. model.fit under CompressedMirroredStrategy or "
                 "CompressedMultiWorkerMirroredStrategy tells it; elsewhere pass "
-                "DGC(steps_per_epoch=...) (optimizer steps per epoch) or warmup_epochs=0")
+                "DGC(steps_per_epoch=...) (optimizer steps per epoch) or warmup_epochs=0"
+            )
         epoch = tf.cast(epoch, tf.int64)
         warm = tf.pow(0.25, tf.cast(epoch, tf.float32) + 1.0)
         return tf.where(epoch < self.warmup_epochs, tf.maximum(final, warm), final)
@@ -662,8 +679,12 @@ class DGC(Compressor):
         return _sparse_aggregate(wires, shape, dtype)
 
     def get_config(self):
-        return {"sparsity": self.sparsity, "momentum": self.momentum,
-                "clip_norm": self.clip_norm, "warmup_epochs": self.warmup_epochs,
-                "steps_per_epoch": self.steps_per_epoch,
-                "momentum_correction": self.momentum_correction,
-                "min_size": self.min_size}
+        return {
+            "sparsity": self.sparsity,
+            "momentum": self.momentum,
+            "clip_norm": self.clip_norm,
+            "warmup_epochs": self.warmup_epochs,
+            "steps_per_epoch": self.steps_per_epoch,
+            "momentum_correction": self.momentum_correction,
+            "min_size": self.min_size,
+        }

@@ -67,11 +67,13 @@ class _CompressedExchange:
             compression = NoCompression()
         if isinstance(compression, str):
             from tfdist_ext.compression import get
+
             compression = get(compression)
         if not isinstance(compression, Compressor):
             raise ValueError(
                 f"{type(self).__name__}: compression must be a tfdist_ext.compression."
-                f"Compressor (e.g. compression.DGC(...)) or a name, got {compression!r}")
+                f"Compressor (e.g. compression.DGC(...)) or a name, got {compression!r}"
+            )
         self._compression = compression
         self._compression_state = CompressionState()
         self._state_lock = threading.Lock()
@@ -129,8 +131,11 @@ class _CompressedExchange:
         if not self._compression.applies_momentum:
             return
         own = {name: getattr(optimizer, name, None) for name in ("momentum", "beta_1")}
-        own = {name: value for name, value in own.items()
-               if isinstance(value, (int, float)) and value > 0}
+        own = {
+            name: value
+            for name, value in own.items()
+            if isinstance(value, (int, float)) and value > 0
+        }
         if own:
             setting = ", ".join(f"{name}={value}" for name, value in own.items())
             raise ValueError(
@@ -140,7 +145,8 @@ class _CompressedExchange:
                 "(training is much worse, without any error). Use an optimizer without "
                 "momentum, e.g. keras.optimizers.SGD(learning_rate) (the compressor's "
                 "momentum replaces it), or DGC(momentum_correction=False) to keep the "
-                "optimizer's momentum.")
+                "optimizer's momentum."
+            )
 
     def _epoch_variable(self):
         if self._epoch is None:
@@ -156,7 +162,8 @@ class _CompressedExchange:
                 "where epochs end (its warm-up counts epochs); model.fit tells it, but this "
                 "step runs outside fit (a custom loop or train_on_batch). Give the "
                 "compressor steps_per_epoch=... (optimizer steps per epoch), or "
-                "warmup_epochs=0.")
+                "warmup_epochs=0."
+            )
         return self._epoch
 
     def _check_variable_dtypes(self, variables):
@@ -175,7 +182,8 @@ class _CompressedExchange:
                 raise ValueError(
                     f"{type(self).__name__}: variable {getattr(var, 'path', var.name)!r} has "
                     f"dtype {tf.as_dtype(var.dtype).name}, which the compressor "
-                    f"{self._compression!r} cannot take: {e}") from None
+                    f"{self._compression!r} cannot take: {e}"
+                ) from None
 
     @property
     def compression(self):
@@ -196,12 +204,20 @@ class _CompressedExchange:
                 counters = []
                 for r, device in enumerate(self._local_devices()):
                     with tf.device(device):
-                        counters.append({
-                            "wire_bytes": _local_variable(tf.constant(0, tf.int64), f"wire_bytes_{r}"),
-                            "dense_bytes": _local_variable(tf.constant(0, tf.int64), f"dense_bytes_{r}"),
-                            "seconds": _local_variable(tf.constant(0.0, tf.float64), f"seconds_{r}"),
-                            "steps": _local_variable(tf.constant(0, tf.int64), f"steps_{r}"),
-                        })
+                        counters.append(
+                            {
+                                "wire_bytes": _local_variable(
+                                    tf.constant(0, tf.int64), f"wire_bytes_{r}"
+                                ),
+                                "dense_bytes": _local_variable(
+                                    tf.constant(0, tf.int64), f"dense_bytes_{r}"
+                                ),
+                                "seconds": _local_variable(
+                                    tf.constant(0.0, tf.float64), f"seconds_{r}"
+                                ),
+                                "steps": _local_variable(tf.constant(0, tf.int64), f"steps_{r}"),
+                            }
+                        )
                 self._counters = counters
         return self._counters
 
@@ -250,12 +266,13 @@ class _CompressedExchange:
         totals = {"wire_bytes": 0, "dense_bytes": 0, "seconds": 0.0, "steps": 0}
         for counters in self._ensure_counters():
             for name, var in counters.items():
-                if name == "steps":   # every replica takes every step
+                if name == "steps":  # every replica takes every step
                     totals[name] = max(totals[name], var.numpy().item())
                 else:
                     totals[name] += var.numpy().item()
-        totals["ratio"] = (totals["dense_bytes"] / totals["wire_bytes"]
-                           if totals["wire_bytes"] else float("nan"))
+        totals["ratio"] = (
+            totals["dense_bytes"] / totals["wire_bytes"] if totals["wire_bytes"] else float("nan")
+        )
         return totals
 
     def reset_compression_state(self) -> None:
@@ -312,8 +329,9 @@ class _CompressedExchange:
             reduced, sent = self._exchange_rounds(ctx, compressor, grads, states, step, counters)
         else:
             clock = {"epoch": self._fit_epoch()} if compressor.follows_epochs else {}
-            reduced, sent = self._exchange_gather(ctx, compressor, grads, states, step,
-                                                  counters, clock)
+            reduced, sent = self._exchange_gather(
+                ctx, compressor, grads, states, step, counters, clock
+            )
         counters["wire_bytes"].assign_add(sent)
         counters["dense_bytes"].assign_add(tf.constant(dense_bytes, tf.int64))
         counters["steps"].assign_add(tf.constant(1, tf.int64))
@@ -358,16 +376,15 @@ class _CompressedExchange:
             self._write(state_vars, new_state)
         # Variable-length wire tensors also send their length (4 bytes).
         dynamic = [not t.shape.is_fully_defined() for t in flat]
-        sizes = [tf.reshape(tf.size(t, out_type=tf.int32), [1])
-                 for t, d in zip(flat, dynamic) if d]
+        sizes = [tf.reshape(tf.size(t, out_type=tf.int32), [1]) for t, d in zip(flat, dynamic) if d]
         to_send = [tf.reshape(t, [-1]) for t in flat] + sizes
         sent = tf.constant(0, tf.int64)
         for t in to_send:
             sent += tf.cast(tf.size(t), tf.int64) * t.dtype.size
         gathered = ctx.all_gather(to_send, axis=0)
-        gathered_sizes = iter(gathered[len(flat):])
+        gathered_sizes = iter(gathered[len(flat) :])
         per_sender = []
-        for t, d, whole in zip(flat, dynamic, gathered[:len(flat)]):
+        for t, d, whole in zip(flat, dynamic, gathered[: len(flat)]):
             if d:
                 parts = tf.split(whole, next(gathered_sizes), num=n)
             else:
@@ -377,9 +394,10 @@ class _CompressedExchange:
         offset = 0
         for g, wire in zip(grads, wires):
             count = len(tf.nest.flatten(wire))
-            senders = [tf.nest.pack_sequence_as(wire, [per_sender[offset + j][s]
-                                                       for j in range(count)])
-                       for s in range(n)]
+            senders = [
+                tf.nest.pack_sequence_as(wire, [per_sender[offset + j][s] for j in range(count)])
+                for s in range(n)
+            ]
             offset += count
             reduced.append(compressor.aggregate(senders, g.shape, g.dtype))
         return reduced, sent
@@ -393,7 +411,8 @@ class _CompressedExchange:
         with tf.control_dependencies([t0]):
             for g, state_vars in zip(grads, states):
                 total, new_state, nbytes = compressor.exchange(
-                    g, self._read(state_vars), step, all_sum)
+                    g, self._read(state_vars), step, all_sum
+                )
                 self._write(state_vars, new_state)
                 reduced.append(total)
                 sent += nbytes
@@ -417,8 +436,12 @@ def _mean_aggregated_statistics(next_creator, **kwargs):
     dtype = kwargs.get("dtype")
     if dtype is None and not callable(kwargs.get("initial_value")):
         dtype = getattr(kwargs.get("initial_value"), "dtype", None)
-    if (not kwargs.get("trainable", True) and aggregation == tf.VariableAggregation.NONE
-            and dtype is not None and tf.as_dtype(dtype).is_floating):
+    if (
+        not kwargs.get("trainable", True)
+        and aggregation == tf.VariableAggregation.NONE
+        and dtype is not None
+        and tf.as_dtype(dtype).is_floating
+    ):
         kwargs["aggregation"] = tf.VariableAggregation.MEAN
     return next_creator(**kwargs)
 
@@ -459,16 +482,20 @@ class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStra
       >>> model.fit(ds, callbacks=[CompressionLogger()])           # doctest: +SKIP
     """
 
-    def __init__(self, devices: Sequence[str] | None = None,
-                 cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
-                 compression: Compressor | str | None = None):
+    def __init__(
+        self,
+        devices: Sequence[str] | None = None,
+        cross_device_ops: tf.distribute.CrossDeviceOps | None = None,
+        compression: Compressor | str | None = None,
+    ):
         _integration.claim_collective_keys(self)
         super().__init__(devices=devices, cross_device_ops=cross_device_ops)
         self._setup_compression(compression)
 
 
-class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
-                                            tf.distribute.MultiWorkerMirroredStrategy):
+class CompressedMultiWorkerMirroredStrategy(
+    _CompressedExchange, tf.distribute.MultiWorkerMirroredStrategy
+):
     """``tf.distribute.MultiWorkerMirroredStrategy`` with a compressed Keras gradient exchange.
 
     Each worker process runs the same program (with its own ``TF_CONFIG``);
@@ -484,12 +511,16 @@ class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
       ...     compression=compression.DGC(sparsity=0.999))
     """
 
-    def __init__(self, cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
-                 communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
-                 compression: Compressor | str | None = None):
+    def __init__(
+        self,
+        cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver | None = None,
+        communication_options: tf.distribute.experimental.CommunicationOptions | None = None,
+        compression: Compressor | str | None = None,
+    ):
         _integration.claim_collective_keys(self)
-        super().__init__(cluster_resolver=cluster_resolver,
-                         communication_options=communication_options)
+        super().__init__(
+            cluster_resolver=cluster_resolver, communication_options=communication_options
+        )
         self._setup_compression(compression)
         _reduce_nests(self.extended)
 
@@ -499,8 +530,7 @@ class CompressedMultiWorkerMirroredStrategy(_CompressedExchange,
         # values; a scalar has no batch axis, so reduce it across replicas only.
         if axis is not None:
             parts = getattr(value, "values", (value,))
-            if all(getattr(p, "shape", None) is not None and p.shape.rank == 0
-                   for p in parts):
+            if all(getattr(p, "shape", None) is not None and p.shape.rank == 0 for p in parts):
                 axis = None
         return super().reduce(reduce_op, value, axis)
 
@@ -519,7 +549,8 @@ def _reduce_nests(extended):
     def _reduce_to(reduce_op, value, destinations, options):
         if isinstance(value, (tuple, list, dict)):
             return tf.nest.map_structure(
-                lambda v: original(reduce_op, v, destinations, options), value)
+                lambda v: original(reduce_op, v, destinations, options), value
+            )
         return original(reduce_op, value, destinations, options)
 
     extended._reduce_to = _reduce_to

@@ -37,8 +37,7 @@ def unpack_bits(words, bits, n):
     per_word = 32 // bits
     shifts = tf.range(per_word, dtype=tf.int32) * bits
     mask = tf.constant((1 << bits) - 1, tf.int32)
-    codes = tf.bitwise.bitwise_and(
-        tf.bitwise.right_shift(tf.reshape(words, [-1, 1]), shifts), mask)
+    codes = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.reshape(words, [-1, 1]), shifts), mask)
     return tf.reshape(codes, [-1])[:n]
 
 

@@ -62,21 +62,29 @@ def per_worker_iterator(strategy, dataset):
 
     spec = _integration.get_iterator_spec_from_dataset(strategy, dataset)
     workers = _integration.coordinator_workers(strategy.coordinator)
-    return _integration.PerWorkerDistributedIterator(tuple(
-        _integration.per_worker_resource(
-            worker, make_iterator, (tf.constant(index, tf.int64), tf.constant(graph_def)), spec)
-        for index, worker in enumerate(workers)
-    ))
+    return _integration.PerWorkerDistributedIterator(
+        tuple(
+            _integration.per_worker_resource(
+                worker, make_iterator, (tf.constant(index, tf.int64), tf.constant(graph_def)), spec
+            )
+            for index, worker in enumerate(workers)
+        )
+    )
 
 
 def per_worker_index(strategy):
     """Each worker's task index, as a value resolved on that worker."""
+
     @tf.function
     def identity(index):
         return tf.identity(index)
 
     workers = _integration.coordinator_workers(strategy.coordinator)
-    return _integration.PerWorkerValues(tuple(
-        _integration.per_worker_resource(worker, identity, (tf.constant(index, tf.int64),), None)
-        for index, worker in enumerate(workers)
-    ))
+    return _integration.PerWorkerValues(
+        tuple(
+            _integration.per_worker_resource(
+                worker, identity, (tf.constant(index, tf.int64),), None
+            )
+            for index, worker in enumerate(workers)
+        )
+    )

@@ -22,13 +22,13 @@ class DownpourRuntime:
 
     def __init__(self, strategy):
         self._strategy = strategy
-        self._sources = []               # (chief iterator, dataset), newest last
+        self._sources = []  # (chief iterator, dataset), newest last
         self._per_worker_iterators = []  # (dataset, per-worker iterator), newest last
-        self._rounds = {}                # key -> (weakref(model), round function)
-        self._plans = {}                 # id(model) -> (weakref(model), plan)
+        self._rounds = {}  # key -> (weakref(model), round function)
+        self._plans = {}  # id(model) -> (weakref(model), plan)
         self._worker_index = None
         self._version = None
-        self.plan = None                 # the latest model_devices plan
+        self.plan = None  # the latest model_devices plan
 
     # -- data ------------------------------------------------------------------
 
@@ -82,12 +82,16 @@ class DownpourRuntime:
         """The traced round of ``model``: one per (model, optimizer, n_fetch, n_push, compression)."""
         strategy = self._strategy
         self._partition(model)
-        key = (id(model), id(model.optimizer), strategy.n_fetch, strategy.n_push,
-               id(strategy.compression))
+        key = (
+            id(model),
+            id(model.optimizer),
+            strategy.n_fetch,
+            strategy.n_push,
+            id(strategy.compression),
+        )
         entry = self._rounds.get(key)
         if entry is None or entry[0]() is not model:
-            entry = (weakref.ref(model),
-                     _round.build_round(model, strategy, self.server_version()))
+            entry = (weakref.ref(model), _round.build_round(model, strategy, self.server_version()))
             self._rounds[key] = entry
         return entry[1]
 

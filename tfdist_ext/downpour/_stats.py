@@ -37,8 +37,9 @@ class DownpourStats:
             self.steps_per_worker = {}
             self.lost_results = 0
 
-    def record(self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness,
-               worker=None):
+    def record(
+        self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness, worker=None
+    ):
         with self._lock:
             if worker is not None:
                 self.steps_per_worker[worker] = self.steps_per_worker.get(worker, 0) + int(steps)
@@ -59,9 +60,16 @@ class DownpourStats:
     def summary(self, since=None):
         """Totals, and staleness mean/max, optionally since an earlier ``snapshot()``."""
         with self._lock:
-            base = since or {"steps": 0, "pushes": 0, "fetches": 0, "rejected_pushes": 0,
-                             "push_bytes": 0, "fetch_bytes": 0, "n_staleness": 0}
-            stale = np.asarray(self.staleness[base["n_staleness"]:], dtype=np.float64)
+            base = since or {
+                "steps": 0,
+                "pushes": 0,
+                "fetches": 0,
+                "rejected_pushes": 0,
+                "push_bytes": 0,
+                "fetch_bytes": 0,
+                "n_staleness": 0,
+            }
+            stale = np.asarray(self.staleness[base["n_staleness"] :], dtype=np.float64)
             steps = max(1, self.steps - base["steps"])
             return {
                 "steps": self.steps - base["steps"],
@@ -76,6 +84,12 @@ class DownpourStats:
 
     def snapshot(self):
         with self._lock:
-            return {"steps": self.steps, "pushes": self.pushes, "fetches": self.fetches,
-                    "rejected_pushes": self.rejected_pushes, "push_bytes": self.push_bytes,
-                    "fetch_bytes": self.fetch_bytes, "n_staleness": len(self.staleness)}
+            return {
+                "steps": self.steps,
+                "pushes": self.pushes,
+                "fetches": self.fetches,
+                "rejected_pushes": self.rejected_pushes,
+                "push_bytes": self.push_bytes,
+                "fetch_bytes": self.fetch_bytes,
+                "n_staleness": len(self.staleness),
+            }

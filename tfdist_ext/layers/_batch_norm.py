@@ -50,12 +50,13 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
 
     def __init__(self, virtual_batch_size: int, **kwargs):
         name = "IndependentBatchNormalization"
-        if (isinstance(virtual_batch_size, bool)
-                or not isinstance(virtual_batch_size, numbers.Integral)
-                or virtual_batch_size < 1):
+        if (
+            isinstance(virtual_batch_size, bool)
+            or not isinstance(virtual_batch_size, numbers.Integral)
+            or virtual_batch_size < 1
+        ):
             raise ValueError(
-                f"{name}: virtual_batch_size must be a positive integer, "
-                f"got {virtual_batch_size!r}"
+                f"{name}: virtual_batch_size must be a positive integer, got {virtual_batch_size!r}"
             )
         if kwargs.get("synchronized"):
             raise ValueError(
@@ -68,8 +69,7 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
         axis = kwargs.get("axis", -1)
         if isinstance(axis, (list, tuple)) or axis == 0:
             raise ValueError(
-                f"{name}: axis must be one feature axis (not the batch axis 0), "
-                f"got {axis!r}"
+                f"{name}: axis must be one feature axis (not the batch axis 0), got {axis!r}"
             )
         super().__init__(**kwargs)
         self.virtual_batch_size = int(virtual_batch_size)
@@ -89,9 +89,7 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
         if not (training and self.trainable):
             return super().call(inputs, training=training, mask=mask)
         if mask is not None:
-            raise ValueError(
-                f"{self.__class__.__name__} '{self.name}': masks are not supported"
-            )
+            raise ValueError(f"{self.__class__.__name__} '{self.name}': masks are not supported")
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         x = self._grouped(ops.cast(inputs, compute_dtype))
         axes = [1] + [a + 1 for a in self._reduction_axes if a != 0]
@@ -122,8 +120,9 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
         elif keras.backend.backend() == "tensorflow":
             import tensorflow as tf
 
-            with tf.control_dependencies([tf.debugging.assert_equal(
-                    tf.shape(x)[0] % n, 0, message=message)]):
+            with tf.control_dependencies(
+                [tf.debugging.assert_equal(tf.shape(x)[0] % n, 0, message=message)]
+            ):
                 x = tf.identity(x)
         shape = ops.shape(x)
         return ops.reshape(x, (-1, n, *shape[1:]))
@@ -136,7 +135,8 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
         moving_variance = ops.cast(self.moving_variance, mean.dtype)
         self.moving_mean.assign(moving_mean * self.momentum + mean * (1.0 - self.momentum))
         self.moving_variance.assign(
-            moving_variance * self.momentum + variance * (1.0 - self.momentum))
+            moving_variance * self.momentum + variance * (1.0 - self.momentum)
+        )
 
     def get_config(self):
         config = super().get_config()

@@ -8,8 +8,7 @@ import keras
 
 def column_sizes(units, num_shards):
     """Output units of each column shard: as equal as possible, larger ones first."""
-    return [units // num_shards + (1 if i < units % num_shards else 0)
-            for i in range(num_shards)]
+    return [units // num_shards + (1 if i < units % num_shards else 0) for i in range(num_shards)]
 
 
 @keras.saving.register_keras_serializable(package="tfdist_ext")
@@ -40,21 +39,33 @@ class ColumnParallelDense(keras.layers.Layer):
       ...         keras.layers.Dense(10)])
     """
 
-    def __init__(self, units: int, num_shards: int = 2, activation: str | Callable | None = None,
-                 use_bias: bool = True,
-                 kernel_initializer: str | keras.initializers.Initializer = "glorot_uniform",
-                 bias_initializer: str | keras.initializers.Initializer = "zeros",
-                 devices: Sequence[str] | None = None, **kwargs):
+    def __init__(
+        self,
+        units: int,
+        num_shards: int = 2,
+        activation: str | Callable | None = None,
+        use_bias: bool = True,
+        kernel_initializer: str | keras.initializers.Initializer = "glorot_uniform",
+        bias_initializer: str | keras.initializers.Initializer = "zeros",
+        devices: Sequence[str] | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise ValueError(f"ColumnParallelDense: units must be a positive int, got {units!r}")
-        if isinstance(num_shards, bool) or not isinstance(num_shards, int) or not 1 <= num_shards <= units:
+        if (
+            isinstance(num_shards, bool)
+            or not isinstance(num_shards, int)
+            or not 1 <= num_shards <= units
+        ):
             raise ValueError(
                 f"ColumnParallelDense: num_shards must be an int in [1, units={units}], "
-                f"got {num_shards!r}")
+                f"got {num_shards!r}"
+            )
         if devices is not None and len(devices) != num_shards:
             raise ValueError(
-                f"ColumnParallelDense: {len(devices)} devices given for {num_shards} shards")
+                f"ColumnParallelDense: {len(devices)} devices given for {num_shards} shards"
+            )
         self.units = units
         self.num_shards = num_shards
         self.activation = keras.activations.get(activation)
@@ -74,13 +85,19 @@ class ColumnParallelDense(keras.layers.Layer):
         devices = self._shard_placement or self.devices or [None] * self.num_shards
         for i, (size, device) in enumerate(zip(self.shard_sizes, devices)):
             with _placement.on_device(device):
-                self.kernels.append(self.add_weight(
-                    name=f"kernel_shard_{i}", shape=(in_dim, size),
-                    initializer=self.kernel_initializer))
+                self.kernels.append(
+                    self.add_weight(
+                        name=f"kernel_shard_{i}",
+                        shape=(in_dim, size),
+                        initializer=self.kernel_initializer,
+                    )
+                )
                 if self.use_bias:
-                    self.biases.append(self.add_weight(
-                        name=f"bias_shard_{i}", shape=(size,),
-                        initializer=self.bias_initializer))
+                    self.biases.append(
+                        self.add_weight(
+                            name=f"bias_shard_{i}", shape=(size,), initializer=self.bias_initializer
+                        )
+                    )
 
     def shard_variables(self):
         """``[[kernel_i, bias_i], ...]``: the variables of each shard."""
@@ -107,13 +124,15 @@ class ColumnParallelDense(keras.layers.Layer):
 
     def get_config(self):
         config = super().get_config()
-        config.update({
-            "units": self.units,
-            "num_shards": self.num_shards,
-            "activation": keras.activations.serialize(self.activation),
-            "use_bias": self.use_bias,
-            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
-            "bias_initializer": keras.initializers.serialize(self.bias_initializer),
-            "devices": self.devices,
-        })
+        config.update(
+            {
+                "units": self.units,
+                "num_shards": self.num_shards,
+                "activation": keras.activations.serialize(self.activation),
+                "use_bias": self.use_bias,
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+                "bias_initializer": keras.initializers.serialize(self.bias_initializer),
+                "devices": self.devices,
+            }
+        )
         return config

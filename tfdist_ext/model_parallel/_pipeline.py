@@ -66,13 +66,19 @@ def pipeline_problem(model):
       >>> pipeline_problem(keras.Sequential([keras.Input((4,)),
       ...                                    keras.layers.Dense(2)]))  # doctest: +SKIP
     """
-    graph_call = (keras.Sequential.call if isinstance(model, keras.Sequential)
-                  else _integration.Functional.call if _integration.is_functional(model)
-                  else None)
+    graph_call = (
+        keras.Sequential.call
+        if isinstance(model, keras.Sequential)
+        else _integration.Functional.call
+        if _integration.is_functional(model)
+        else None
+    )
     if graph_call is not None and type(model).call is graph_call:
         return None
-    return (f"model {model.name!r} is a subclassed model ({type(model).__name__}) with "
-            "its own call(), Python code that cannot be cut into pipeline stages")
+    return (
+        f"model {model.name!r} is a subclassed model ({type(model).__name__}) with "
+        "its own call(), Python code that cannot be cut into pipeline stages"
+    )
 
 
 def _graph(model):
@@ -83,9 +89,10 @@ def _graph(model):
         layers = top_level_layers(model)
         calls = [_Call(layer, None, [i], [i + 1]) for i, layer in enumerate(layers)]
         return calls, [0], [len(layers)]
-    calls = [_Call(layer, node, [id(t) for t in node.input_tensors],
-                   [id(t) for t in node.outputs])
-             for layer, node in _integration.graph_nodes(model)]
+    calls = [
+        _Call(layer, node, [id(t) for t in node.input_tensors], [id(t) for t in node.outputs])
+        for layer, node in _integration.graph_nodes(model)
+    ]
     return calls, [id(t) for t in model.inputs], [id(t) for t in model.outputs]
 
 
@@ -107,7 +114,8 @@ def _stages(model, plan):
                     f"layer {call.layer.name!r} on stage {s} reads a tensor made on the "
                     f"later stage {made_in[key]} of model {model.name!r} (a layer called "
                     "at several places of the graph); place its calls on one stage with "
-                    "an explicit partition, or use microbatches=1")
+                    "an explicit partition, or use microbatches=1"
+                )
         made_in.update({key: s for key in call.outputs})
         by_stage[s].append(call)
     read_later = [set(model_outputs) for _ in by_stage]
@@ -117,8 +125,11 @@ def _stages(model, plan):
     for s, (stage, stage_calls) in enumerate(zip(plan.stages, by_stage)):
         made = {k for c in stage_calls for k in c.outputs}
         inputs = list(dict.fromkeys(k for c in stage_calls for k in c.inputs if k not in made))
-        outputs = [k for k in dict.fromkeys(k for c in stage_calls for k in c.outputs)
-                   if k in read_later[s]]
+        outputs = [
+            k
+            for k in dict.fromkeys(k for c in stage_calls for k in c.outputs)
+            if k in read_later[s]
+        ]
         stages.append(_Stage(stage.device, stage_calls, inputs, outputs))
     return stages, model_inputs, model_outputs
 
@@ -177,8 +188,9 @@ def microbatch_gradients(model, plan, data, microbatches):
     """
     problem = pipeline_problem(model)
     if problem is not None:
-        raise ValueError(f"micro-batch pipelining needs a Sequential or functional model: "
-                         f"{problem}")
+        raise ValueError(
+            f"micro-batch pipelining needs a Sequential or functional model: {problem}"
+        )
     x, y, sample_weight = _unpack(data)
     stages, model_inputs, model_outputs = _stages(model, plan)
     flat_x = _flat_inputs(model, x)
@@ -199,8 +211,11 @@ def microbatch_gradients(model, plan, data, microbatches):
             with tf.device(stage.device):
                 local = {k: _carry(values[m][k]) for k in stage.inputs}
                 with tf.GradientTape() as tape:
-                    watched = [k for k in stage.inputs if k not in not_watched
-                               and local[k].dtype.is_floating]
+                    watched = [
+                        k
+                        for k in stage.inputs
+                        if k not in not_watched and local[k].dtype.is_floating
+                    ]
                     tape.watch([local[k] for k in watched])
                     for call in stage.calls:
                         call(local, True)
@@ -218,16 +233,21 @@ def microbatch_gradients(model, plan, data, microbatches):
     with tf.device(stages[-1].device):
         with tf.GradientTape() as tape:
             tape.watch(flat_preds)
-            y_pred = _pack_outputs(model, [
-                _concat([preds[m][i] for m in range(microbatches)])
-                for i in range(len(model_outputs))])
+            y_pred = _pack_outputs(
+                model,
+                [
+                    _concat([preds[m][i] for m in range(microbatches)])
+                    for i in range(len(model_outputs))
+                ],
+            )
             loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
             scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
-        g = tape.gradient(scaled, [*flat_preds, *variables],
-                          unconnected_gradients=tf.UnconnectedGradients.NONE)
+        g = tape.gradient(
+            scaled, [*flat_preds, *variables], unconnected_gradients=tf.UnconnectedGradients.NONE
+        )
     k = len(model_outputs)
-    upstream = [dict(zip(model_outputs, g[m * k:(m + 1) * k])) for m in range(microbatches)]
-    grads = list(g[len(flat_preds):])  # e.g. weight regularisation terms
+    upstream = [dict(zip(model_outputs, g[m * k : (m + 1) * k])) for m in range(microbatches)]
+    grads = list(g[len(flat_preds) :])  # e.g. weight regularisation terms
 
     # Backward: stage by stage in reverse, on each stage's device; a tensor
     # read by several later stages gets the sum of their gradients.
@@ -240,17 +260,19 @@ def microbatch_gradients(model, plan, data, microbatches):
             # shards go to the shards' devices, the rest to the stage's.
             with tf.device(stage.device), _placement.stage_gradients():
                 output_gradients = [
-                    upstream[m].get(key) if upstream[m].get(key) is not None
-                    else tf.zeros_like(out)
-                    for key, out in zip(stage.outputs, outs[s, m])]
+                    upstream[m].get(key) if upstream[m].get(key) is not None else tf.zeros_like(out)
+                    for key, out in zip(stage.outputs, outs[s, m])
+                ]
                 head = ins[s, m]
                 g = tapes[s, m].gradient(
-                    outs[s, m], [h for _, h in head] + variables,
+                    outs[s, m],
+                    [h for _, h in head] + variables,
                     output_gradients=output_gradients,
-                    unconnected_gradients=tf.UnconnectedGradients.NONE)
-                for (key, _), gk in zip(head, g[:len(head)]):
+                    unconnected_gradients=tf.UnconnectedGradients.NONE,
+                )
+                for (key, _), gk in zip(head, g[: len(head)]):
                     upstream[m][key] = _add(upstream[m].get(key), gk)
-                for i, gv in enumerate(g[len(head):]):
+                for i, gv in enumerate(g[len(head) :]):
                     grads[i] = _add(grads[i], gv)
     return loss, y_pred, grads
 
@@ -260,7 +282,8 @@ def pipelined_train_step(model, plan, microbatches, data):
     x, y, sample_weight = _unpack(data)
     loss, y_pred, grads = microbatch_gradients(model, plan, data, microbatches)
     _integration.loss_tracker(model).update_state(
-        loss, sample_weight=tf.shape(keras.tree.flatten(x)[0])[0])
+        loss, sample_weight=tf.shape(keras.tree.flatten(x)[0])[0]
+    )
     variables = model.trainable_variables
     if variables:
         model.optimizer.apply_gradients(zip(grads, variables))

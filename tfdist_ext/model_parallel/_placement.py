@@ -88,7 +88,7 @@ def _forward_device(op):
     """Device for gradient op ``op``: its forward op's, or its placed layer's."""
     if op.device or not op.name.startswith(_GRADIENT_PREFIX):
         return op.device
-    parts = op.name[len(_GRADIENT_PREFIX):].split("/")
+    parts = op.name[len(_GRADIENT_PREFIX) :].split("/")
     for end in range(len(parts), 0, -1):
         prefix = "/".join(parts[:end])
         graph = op.graph
@@ -132,8 +132,9 @@ def same_device(a, b):
     if not a or not b:
         return False
     da, db = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (da.device_type or "CPU") == (db.device_type or "CPU") and \
-        (da.device_index or 0) == (db.device_index or 0)
+    return (da.device_type or "CPU") == (db.device_type or "CPU") and (da.device_index or 0) == (
+        db.device_index or 0
+    )
 
 
 def _move(keras_variable, device):
@@ -145,8 +146,10 @@ def _move(keras_variable, device):
         return None
     with tf.init_scope(), forced_device(device), tf.device(device):
         new = tf.Variable(
-            tf.identity(old.read_value()), trainable=old.trainable,
-            name=keras_variable.name, aggregation=old.aggregation,
+            tf.identity(old.read_value()),
+            trainable=old.trainable,
+            name=keras_variable.name,
+            aggregation=old.aggregation,
             synchronization=old.synchronization,
         )
     strategy = _integration.variable_strategy(old)
@@ -191,8 +194,13 @@ def variable_devices(model, plan):
     return out
 
 
-def apply_plan(model: keras.Model, plan: Plan, *, place_variables: bool = True,
-               colocated: dict[int, Any] | None = None) -> keras.Model:
+def apply_plan(
+    model: keras.Model,
+    plan: Plan,
+    *,
+    place_variables: bool = True,
+    colocated: dict[int, Any] | None = None,
+) -> keras.Model:
     """Places ``model``'s variables and computation as ``plan`` says.
 
     Idempotent. Variables already on their device stay; others are moved
@@ -228,13 +236,13 @@ def apply_plan(model: keras.Model, plan: Plan, *, place_variables: bool = True,
     missing = [l.name for l in layers if l.name not in devices]
     if missing:
         raise ValueError(f"the plan does not place layers {missing} of model {model.name!r}")
-    split = [l for l in layers if l.name in plan.splits
-             and not isinstance(l, ColumnParallelDense)]
+    split = [l for l in layers if l.name in plan.splits and not isinstance(l, ColumnParallelDense)]
     for layer in split:
         if not place_variables:
             raise ValueError(
                 f"the plan splits layer {layer.name!r} column-wise, which places "
-                "variables; it cannot be applied with place_variables=False")
+                "variables; it cannot be applied with place_variables=False"
+            )
         _split_dense(model, layer, plan.shard_devices[layer.name])
     if split:
         layers = top_level_layers(model)
@@ -268,28 +276,37 @@ def _split_dense(model, dense, devices):
         raise ValueError(
             f"the plan splits layer {dense.name!r} column-wise, which needs a Sequential "
             f"model; model {model.name!r} is not one: build the layer as a "
-            "ColumnParallelDense(num_shards=...) instead")
+            "ColumnParallelDense(num_shards=...) instead"
+        )
     optimizer = getattr(model, "optimizer", None)
     if optimizer is not None and optimizer.built:
         raise ValueError(
             f"the plan splits layer {dense.name!r} column-wise, but the optimizer of "
             f"model {model.name!r} is already built with the unsplit variables: place the "
             "model before training it (a model loaded with its optimizer: load it with "
-            "compile=False, place it, then compile)")
+            "compile=False, place it, then compile)"
+        )
     layer = ColumnParallelDense(
-        dense.units, num_shards=len(devices), activation=dense.activation,
-        use_bias=dense.use_bias, kernel_initializer=dense.kernel_initializer,
-        bias_initializer=dense.bias_initializer, name=dense.name, dtype=dense.dtype_policy,
-        activity_regularizer=dense.activity_regularizer, trainable=dense.trainable)
+        dense.units,
+        num_shards=len(devices),
+        activation=dense.activation,
+        use_bias=dense.use_bias,
+        kernel_initializer=dense.kernel_initializer,
+        bias_initializer=dense.bias_initializer,
+        name=dense.name,
+        dtype=dense.dtype_policy,
+        activity_regularizer=dense.activity_regularizer,
+        trainable=dense.trainable,
+    )
     layer._shard_placement = list(devices)
     kernel = dense.kernel
     with tf.init_scope():
         layer.build((None, int(kernel.shape[0])))  # shards created on their devices
         start = 0
         for i, size in enumerate(layer.shard_sizes):
-            layer.kernels[i].assign(kernel.value[:, start:start + size])
+            layer.kernels[i].assign(kernel.value[:, start : start + size])
             if dense.use_bias:
-                layer.biases[i].assign(dense.bias.value[start:start + size])
+                layer.biases[i].assign(dense.bias.value[start : start + size])
             start += size
     # Swap it in with Sequential's own pop/add; the other layers keep their
     # weights and the model is rebuilt once.

@@ -143,9 +143,13 @@ class Plan:
             "partition": self.partition,
             "balance_by": self.balance_by,
             "stages": [
-                {"device": s.device, "layers": list(s.layers),
-                 "param_bytes": per_device[s.device], "flops": s.flops,
-                 "boundary_bytes": s.boundary_bytes}
+                {
+                    "device": s.device,
+                    "layers": list(s.layers),
+                    "param_bytes": per_device[s.device],
+                    "flops": s.flops,
+                    "boundary_bytes": s.boundary_bytes,
+                }
                 for s in self.stages
             ],
             "shards": {k: list(v) for k, v in self.shard_devices.items()},
@@ -156,9 +160,10 @@ class Plan:
 
     def __str__(self):
         per_device = self.device_param_bytes
-        how = {"balanced": f"balanced by {self.balance_by}",
-               "filled": "devices filled in order as the layers were created"}.get(
-                   self.partition, "explicit map")
+        how = {
+            "balanced": f"balanced by {self.balance_by}",
+            "filled": "devices filled in order as the layers were created",
+        }.get(self.partition, "explicit map")
         if self.device_budget_bytes is not None:
             how += f", budget {self.device_budget_bytes:,} B/device"
         lines = [f"Plan ({how}):"]
@@ -170,9 +175,12 @@ class Plan:
             )
         for name, devices in self.shard_devices.items():
             sizes = ", ".join(f"{b:,}" for b in self.shard_bytes[name])
-            how = (f"Dense of {sum(self.shard_bytes[name]):,} B split automatically into "
-                   f"{self.splits[name]} column shards" if name in self.splits
-                   else "column shards")
+            how = (
+                f"Dense of {sum(self.shard_bytes[name]):,} B split automatically into "
+                f"{self.splits[name]} column shards"
+                if name in self.splits
+                else "column shards"
+            )
             lines.append(f"  {name}: {how} on {list(devices)} ({sizes} B)")
         return "\n".join(lines)
 
@@ -240,13 +248,15 @@ def layer_costs(model_or_layers: ModelOrLayers) -> list[LayerCost]:
         total = sum(int(np.prod(v.shape)) * _dtype_bytes(v.dtype) for v in layer.weights)
         out_shape = _output_shape(layer)
         act = _shape_elems(out_shape) * _dtype_bytes(layer.compute_dtype) if out_shape else 0
-        costs.append(LayerCost(
-            name=layer.name,
-            param_bytes=total - sum(shard_bytes),
-            flops=int(_flops(layer, _input_shape(layer), out_shape)),
-            activation_bytes=int(crossing[i] if crossing else act),
-            shard_bytes=shard_bytes,
-        ))
+        costs.append(
+            LayerCost(
+                name=layer.name,
+                param_bytes=total - sum(shard_bytes),
+                flops=int(_flops(layer, _input_shape(layer), out_shape)),
+                activation_bytes=int(crossing[i] if crossing else act),
+                shard_bytes=shard_bytes,
+            )
+        )
     return costs
 
 
@@ -339,9 +349,7 @@ def _balanced_bounds(costs, k, weight, tolerance, offsets=None):
     best[0][0] = 0
     for s in range(1, k + 1):
         for j in range(s, n + 1):
-            best[s][j] = min(
-                max(best[s - 1][i], stage(s, i, j)) for i in range(s - 1, j)
-            )
+            best[s][j] = min(max(best[s - 1][i], stage(s, i, j)) for i in range(s - 1, j))
     limit = best[k][n] * (1 + tolerance) + 1e-9
     # comm[s][j]: minimal boundary bytes with every stage <= limit
     comm = [[inf] * (n + 1) for _ in range(k + 1)]
@@ -363,11 +371,16 @@ def _balanced_bounds(costs, k, weight, tolerance, offsets=None):
     return sorted(cuts)[1:]
 
 
-def plan_partition(model_or_layers: ModelOrLayers,
-                   devices: Sequence[str], partition: str | Mapping[str, str] = "balanced", *,
-                   balance_by: Literal["params", "flops"] = "params",
-                   device_budget_bytes: int | None = None,
-                   split_large_layers: bool = True, tolerance: float = 0.0) -> Plan:
+def plan_partition(
+    model_or_layers: ModelOrLayers,
+    devices: Sequence[str],
+    partition: str | Mapping[str, str] = "balanced",
+    *,
+    balance_by: Literal["params", "flops"] = "params",
+    device_budget_bytes: int | None = None,
+    split_large_layers: bool = True,
+    tolerance: float = 0.0,
+) -> Plan:
     """Plans contiguous stages of a built Keras model over ``devices``.
 
     This is the placement engine of :class:`ModelParallelStrategy`, usable on its
@@ -436,35 +449,40 @@ def plan_partition(model_or_layers: ModelOrLayers,
     budget = device_budget_bytes
     splits = {}  # index of an automatically split Dense -> fewest shards that fit
     if budget is not None:
-        splits = _automatic_splits(model_or_layers, layers, costs, len(devices), budget,
-                                   split_large_layers)
+        splits = _automatic_splits(
+            model_or_layers, layers, costs, len(devices), budget, split_large_layers
+        )
         for c in costs:
             if c.shard_bytes and max(c.shard_bytes) > budget:
                 raise ValueError(
                     f"layer {c.name!r} has a column shard of {max(c.shard_bytes):,} "
                     f"parameter bytes, more than the device budget of {budget:,} bytes; "
                     "give it more shards (ColumnParallelDense(num_shards=...)) or raise "
-                    "device_budget_bytes")
+                    "device_budget_bytes"
+                )
     if partition == "balanced" and len(devices) > len(costs):
         raise ValueError(
             f"cannot make {len(devices)} stages from {len(costs)} layer(s) "
-            f"({[c.name for c in costs]}): use at most {len(costs)} devices")
+            f"({[c.name for c in costs]}): use at most {len(costs)} devices"
+        )
     # More shards than the minimum only if the whole plan does not fit.
     extra = 0
     while True:
-        counts = {i: min(n + extra, _max_shards(layers[i], len(devices)))
-                  for i, n in splits.items()}
-        plan = _make_plan(costs, layers, devices, partition, balance_by, tolerance,
-                          counts, budget)
-        over = {d: b for d, b in plan.device_param_bytes.items()
-                if budget is not None and b > budget}
+        counts = {
+            i: min(n + extra, _max_shards(layers[i], len(devices))) for i, n in splits.items()
+        }
+        plan = _make_plan(costs, layers, devices, partition, balance_by, tolerance, counts, budget)
+        over = {
+            d: b for d, b in plan.device_param_bytes.items() if budget is not None and b > budget
+        }
         if not over or all(counts[i] == _max_shards(layers[i], len(devices)) for i in counts):
             break
         extra += 1
     if over:
         device, nbytes = max(over.items(), key=lambda item: item[1])
-        split = "".join(f"; {costs[i].name!r} is split into {n} column shards"
-                        for i, n in counts.items())
+        split = "".join(
+            f"; {costs[i].name!r} is split into {n} column shards" for i, n in counts.items()
+        )
         raise ValueError(
             f"the {plan.partition} plan puts {nbytes:,} parameter bytes on {device}, "
             f"more than the device budget of {budget:,} bytes{split}; add devices, "
@@ -478,19 +496,23 @@ def _split_problem(model_or_layers, layer):
     import keras
 
     if type(layer) is not keras.layers.Dense:
-        return (f"it is a {type(layer).__name__}; only keras.layers.Dense layers are "
-                "split automatically")
+        return (
+            f"it is a {type(layer).__name__}; only keras.layers.Dense layers are "
+            "split automatically"
+        )
     if layer.lora_enabled or layer.quantization_mode:
         return "it has LoRA enabled or is quantized"
-    for attr in ("kernel_regularizer", "bias_regularizer", "kernel_constraint",
-                 "bias_constraint"):
+    for attr in ("kernel_regularizer", "bias_regularizer", "kernel_constraint", "bias_constraint"):
         if getattr(layer, attr, None) is not None:
             return f"it has a {attr.replace('_', ' ')}"
     if isinstance(model_or_layers, keras.Model) and not isinstance(
-            model_or_layers, keras.Sequential):
-        return (f"model {model_or_layers.name!r} is not a Sequential model (automatic "
-                "splitting replaces the layer inside a Sequential model); build this "
-                "layer as a ColumnParallelDense(num_shards=...) instead")
+        model_or_layers, keras.Sequential
+    ):
+        return (
+            f"model {model_or_layers.name!r} is not a Sequential model (automatic "
+            "splitting replaces the layer inside a Sequential model); build this "
+            "layer as a ColumnParallelDense(num_shards=...) instead"
+        )
     return None
 
 
@@ -504,8 +526,10 @@ def _dense_shard_bytes(layer, num_shards):
 
     in_dim = int(layer.kernel.shape[0])
     dtype = _dtype_bytes(layer.kernel.dtype)
-    return tuple((in_dim * size + (size if layer.use_bias else 0)) * dtype
-                 for size in column_sizes(layer.units, num_shards))
+    return tuple(
+        (in_dim * size + (size if layer.use_bias else 0)) * dtype
+        for size in column_sizes(layer.units, num_shards)
+    )
 
 
 def _automatic_splits(model_or_layers, layers, costs, k, budget, split_large_layers):
@@ -514,14 +538,17 @@ def _automatic_splits(model_or_layers, layers, costs, k, budget, split_large_lay
     for i, (layer, c) in enumerate(zip(layers, costs)):
         if c.shard_bytes or c.param_bytes <= budget:
             continue
-        head = (f"layer {c.name!r} needs {c.param_bytes:,} parameter bytes on one device, "
-                f"more than the device budget of {budget:,} bytes")
+        head = (
+            f"layer {c.name!r} needs {c.param_bytes:,} parameter bytes on one device, "
+            f"more than the device budget of {budget:,} bytes"
+        )
         if not split_large_layers:
             raise ValueError(
                 f"{head}, and split_large_layers is off; turn it on to split Dense "
                 "layers column-wise automatically, split the layer with "
                 "tfdist_ext.model_parallel.ColumnParallelDense(num_shards=...), or "
-                "raise device_budget_bytes")
+                "raise device_budget_bytes"
+            )
         problem = _split_problem(model_or_layers, layer)
         if problem is not None:
             raise ValueError(f"{head}, and it cannot be split automatically: {problem}")
@@ -535,7 +562,8 @@ def _automatic_splits(model_or_layers, layers, costs, k, budget, split_large_lay
             raise ValueError(
                 f"{head}; split column-wise over all {most} devices its largest shard "
                 f"would still need {shard:,} bytes; add devices or raise "
-                "device_budget_bytes")
+                "device_budget_bytes"
+            )
     return splits
 
 
@@ -556,8 +584,9 @@ def _make_plan(costs, layers, devices, partition, balance_by, tolerance, splits,
     load = {d: 0 for d in devices}  # column-shard bytes per device
     for i, layer in enumerate(layers):
         if i in splits:
-            costs[i] = dataclasses.replace(costs[i], param_bytes=0,
-                                           shard_bytes=_dense_shard_bytes(layer, splits[i]))
+            costs[i] = dataclasses.replace(
+                costs[i], param_bytes=0, shard_bytes=_dense_shard_bytes(layer, splits[i])
+            )
         c = costs[i]
         if not c.shard_bytes:
             continue
@@ -566,8 +595,10 @@ def _make_plan(costs, layers, devices, partition, balance_by, tolerance, splits,
             explicit = tuple(str(d) for d in explicit)
             outside = sorted(set(explicit) - set(devices))
             if outside:
-                raise ValueError(f"layer {c.name!r} puts column shards on {outside}, "
-                                 f"which are not in devices={devices}")
+                raise ValueError(
+                    f"layer {c.name!r} puts column shards on {outside}, "
+                    f"which are not in devices={devices}"
+                )
             for d, nbytes in zip(explicit, c.shard_bytes):
                 load[d] += nbytes
         shard_devices[c.name] = explicit or _assign_shards(c.shard_bytes, devices, load)
@@ -579,31 +610,40 @@ def _make_plan(costs, layers, devices, partition, balance_by, tolerance, splits,
         else:
             weight, offsets = (lambda c: c.flops), None
         cuts = [0, *_balanced_bounds(costs, k, weight, tolerance, offsets), len(costs)]
-        groups = [(devices[s], costs[cuts[s]:cuts[s + 1]]) for s in range(k)]
+        groups = [(devices[s], costs[cuts[s] : cuts[s + 1]]) for s in range(k)]
         name = "balanced"
     else:
         groups = _explicit_groups(costs, layers, devices, partition)
         name = "explicit"
     stages = tuple(
-        Stage(device=d, layers=tuple(c.name for c in group),
-              param_bytes=sum(c.param_bytes for c in group),
-              flops=sum(c.flops for c in group),
-              boundary_bytes=group[-1].activation_bytes if group and i < len(groups) - 1 else 0)
+        Stage(
+            device=d,
+            layers=tuple(c.name for c in group),
+            param_bytes=sum(c.param_bytes for c in group),
+            flops=sum(c.flops for c in group),
+            boundary_bytes=group[-1].activation_bytes if group and i < len(groups) - 1 else 0,
+        )
         for i, (d, group) in enumerate(groups)
     )
-    return Plan(stages=stages, devices=tuple(devices), partition=name,
-                balance_by=balance_by, shard_devices=shard_devices,
-                shard_bytes=shard_bytes,
-                splits={costs[i].name: n for i, n in splits.items()},
-                device_budget_bytes=budget)
+    return Plan(
+        stages=stages,
+        devices=tuple(devices),
+        partition=name,
+        balance_by=balance_by,
+        shard_devices=shard_devices,
+        shard_bytes=shard_bytes,
+        splits={costs[i].name: n for i, n in splits.items()},
+        device_budget_bytes=budget,
+    )
 
 
 def _explicit_groups(costs, layers, devices, partition):
     names = [c.name for c in costs]
     unknown = sorted(set(partition) - set(names))
     if unknown:
-        raise ValueError(f"partition names layers the model does not have: {unknown}; "
-                         f"its layers are {names}")
+        raise ValueError(
+            f"partition names layers the model does not have: {unknown}; its layers are {names}"
+        )
     bad = sorted({str(d) for d in partition.values()} - set(devices))
     if bad:
         raise ValueError(f"partition uses devices {bad} that are not in devices={devices}")

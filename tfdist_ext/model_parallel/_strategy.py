@@ -64,7 +64,8 @@ def _check_devices(devices):
         if d not in available and short not in available_short:
             raise ValueError(
                 f"device {d!r} does not exist; this process has {sorted(available_short)} "
-                "(split the CPU with tfdist_ext.cluster.logical_cpus(n) first)")
+                "(split the CPU with tfdist_ext.cluster.logical_cpus(n) first)"
+            )
         resolved.append(short)
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"devices must be distinct, got {devices}")
@@ -87,8 +88,16 @@ def _creating_unit():
 class ModelParallelExtended(_integration.OneDeviceExtended):
     """The ``tf.distribute.StrategyExtended`` of :class:`ModelParallelStrategy`."""
 
-    def __init__(self, container_strategy, devices, partition, microbatches,
-                 balance_by, device_budget_bytes, split_large_layers):
+    def __init__(
+        self,
+        container_strategy,
+        devices,
+        partition,
+        microbatches,
+        balance_by,
+        device_budget_bytes,
+        split_large_layers,
+    ):
         super().__init__(container_strategy, devices[0])
         self._devices = tuple(devices)
         self._partition = partition
@@ -151,8 +160,7 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
         nbytes = value.shape.num_elements() * value.dtype.size
         if unit not in self._unit_devices:
             used = self._filled_bytes[device]
-            if used and used + nbytes > self._budget and \
-                    self._fill_index + 1 < len(self._devices):
+            if used and used + nbytes > self._budget and self._fill_index + 1 < len(self._devices):
                 self._fill_index += 1
                 device = self._devices[self._fill_index]
             self._unit_devices[unit] = device
@@ -173,8 +181,7 @@ class ModelParallelExtended(_integration.OneDeviceExtended):
             if model in self._plans or not _plan._built(model):
                 return None
             plan = self._plans[model] = self._container_strategy().make_plan(model)
-            devices = self._deferred_devices[model] = _placement.variable_devices(
-                model, plan)
+            devices = self._deferred_devices[model] = _placement.variable_devices(model, plan)
         return devices.get(id(variable))
 
     def _update(self, var, fn, args, kwargs, group):
@@ -273,9 +280,16 @@ class ModelParallelStrategy(distribute_lib.Strategy):
       >>> print(strategy.plan)                                    # doctest: +SKIP
     """
 
-    def __init__(self, devices: Sequence[str], partition: str | Mapping[str, str] = "balanced",
-                 microbatches: int = 1, *, balance_by: Literal["params", "flops"] = "params",
-                 device_budget_bytes: int | None = None, split_large_layers: bool = True):
+    def __init__(
+        self,
+        devices: Sequence[str],
+        partition: str | Mapping[str, str] = "balanced",
+        microbatches: int = 1,
+        *,
+        balance_by: Literal["params", "flops"] = "params",
+        device_budget_bytes: int | None = None,
+        split_large_layers: bool = True,
+    ):
         devices = _check_devices(devices)
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
@@ -285,7 +299,8 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             if not isinstance(partition, dict) or not partition:
                 raise ValueError(
                     "partition must be 'balanced' or a non-empty dict "
-                    f"{{layer name: device}}, got {partition!r}")
+                    f"{{layer name: device}}, got {partition!r}"
+                )
             partition = {str(k): _check_devices([v])[0] for k, v in partition.items()}
             outside = sorted(set(partition.values()) - set(devices))
             if outside:
@@ -295,9 +310,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         if not isinstance(split_large_layers, bool):
             raise ValueError(f"split_large_layers must be a bool, got {split_large_layers!r}")
         _integration.install_trainer_hooks()
-        super().__init__(ModelParallelExtended(
-            self, devices, partition, microbatches, balance_by, device_budget_bytes,
-            split_large_layers))
+        super().__init__(
+            ModelParallelExtended(
+                self,
+                devices,
+                partition,
+                microbatches,
+                balance_by,
+                device_budget_bytes,
+                split_large_layers,
+            )
+        )
         self.plan = None
 
     @property
@@ -324,10 +347,17 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         filled = self._filled_partition(model)
         if filled is not None:
             try:
-                return dataclasses.replace(_plan.plan_partition(
-                    model, devices, filled, balance_by=ext._balance_by,
-                    device_budget_bytes=ext._budget,
-                    split_large_layers=ext._split_large_layers), partition="filled")
+                return dataclasses.replace(
+                    _plan.plan_partition(
+                        model,
+                        devices,
+                        filled,
+                        balance_by=ext._balance_by,
+                        device_budget_bytes=ext._budget,
+                        split_large_layers=ext._split_large_layers,
+                    ),
+                    partition="filled",
+                )
             except ValueError:
                 pass  # e.g. column shards that fit only when spread: plan afresh
         if ext._partition == "balanced":
@@ -335,10 +365,16 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             if len(devices) > n:
                 raise ValueError(
                     f"cannot make {len(devices)} stages from the {n} layer(s) of model "
-                    f"{model.name!r}: use at most {n} devices")
+                    f"{model.name!r}: use at most {n} devices"
+                )
         return _plan.plan_partition(
-            model, devices, ext._partition, balance_by=ext._balance_by,
-            device_budget_bytes=ext._budget, split_large_layers=ext._split_large_layers)
+            model,
+            devices,
+            ext._partition,
+            balance_by=ext._balance_by,
+            device_budget_bytes=ext._budget,
+            split_large_layers=ext._split_large_layers,
+        )
 
     def _filled_partition(self, model):
         """``{layer name: device}`` where a budget filled the devices with
@@ -346,8 +382,12 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         created that way."""
         ext = self.extended
         layers = [l for l in _plan.top_level_layers(model) if l.weights]
-        if ext._budget is None or ext._partition != "balanced" or not layers or \
-                any(l not in ext._unit_devices for l in layers):
+        if (
+            ext._budget is None
+            or ext._partition != "balanced"
+            or not layers
+            or any(l not in ext._unit_devices for l in layers)
+        ):
             return None
         return {l.name: ext._unit_devices[l] for l in layers}
 
@@ -375,8 +415,11 @@ class ModelParallelStrategy(distribute_lib.Strategy):
             # outside its scope): Keras' optimizer may colocate slots with them.
             _integration.set_variable_strategy(variable.value, self)
         optimizer = getattr(model, "optimizer", None)
-        if optimizer is not None and not optimizer.built and \
-                _integration.optimizer_strategy(optimizer) is not None:
+        if (
+            optimizer is not None
+            and not optimizer.built
+            and _integration.optimizer_strategy(optimizer) is not None
+        ):
             # An optimizer constructed outside the scope (e.g. passed to
             # compile) would create its slots through the default strategy.
             _integration.set_optimizer_strategy(optimizer, self)
@@ -425,7 +468,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                     f"your step runs as written, on whole batches, without the "
                     f"microbatches={self.microbatches} pipeline (its gradients still "
                     "run on their stages' devices); to pipeline, use Keras's own "
-                    "train_step (customise compute_loss instead)", stacklevel=4)
+                    "train_step (customise compute_loss instead)",
+                    stacklevel=4,
+                )
             return
         problem = _pipeline.pipeline_problem(model)
         if problem is not None:
@@ -433,19 +478,26 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                 f"microbatches={self.microbatches} cannot train {problem}. Train it with "
                 "ModelParallelStrategy(..., microbatches=1) (its sub-layers are still "
                 "placed per stage), or build it as a Sequential or functional model. "
-                "(evaluate and predict need no micro-batches and work either way.)")
+                "(evaluate and predict need no micro-batches and work either way.)"
+            )
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """As ``tf.distribute.Strategy.run``; a model's ``train_step`` is pipelined."""
         model = getattr(fn, "__self__", None)
-        if (isinstance(model, keras.Model)
-                and getattr(fn, "__name__", "") == "train_step"
-                and _integration.overridden_step(model) is None
-                and _pipeline.pipeline_problem(model) is None):
+        if (
+            isinstance(model, keras.Model)
+            and getattr(fn, "__name__", "") == "train_step"
+            and _integration.overridden_step(model) is None
+            and _pipeline.pipeline_problem(model) is None
+        ):
             if model not in self.extended._placed:
                 self.place(model)
-            fn = functools.partial(_pipeline.pipelined_train_step, model,
-                                   self.extended._plans[model], self.microbatches)
+            fn = functools.partial(
+                _pipeline.pipelined_train_step,
+                model,
+                self.extended._plans[model],
+                self.microbatches,
+            )
         else:
             # A user's train_step, a subclassed model's, evaluate, predict:
             # tape.gradient would put every backward op on the first device.

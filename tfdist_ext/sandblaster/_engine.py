@@ -34,13 +34,21 @@ from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 
 # Errors that mean "this task is gone", not "this computation is wrong".
-_LOST = (tf.errors.UnavailableError, tf.errors.CancelledError, tf.errors.AbortedError,
-         tf.errors.DeadlineExceededError)
+_LOST = (
+    tf.errors.UnavailableError,
+    tf.errors.CancelledError,
+    tf.errors.AbortedError,
+    tf.errors.DeadlineExceededError,
+)
 
 
-class PassReport(collections.namedtuple(
-        "PassReport", "loss aux seconds slices copies backups wasted lost_workers "
-                      "slices_per_worker received_bytes")):
+class PassReport(
+    collections.namedtuple(
+        "PassReport",
+        "loss aux seconds slices copies backups wasted lost_workers "
+        "slices_per_worker received_bytes",
+    )
+):
     """What one pass did.
 
     Fields: ``loss`` (sum of the slices' loss shares), ``aux`` (summed metric
@@ -57,10 +65,10 @@ class _Pass:
         self.number = number
         self.slices = slices
         self.pending = collections.deque(range(len(slices)))
-        self.running = collections.defaultdict(set)   # slice -> workers computing it
-        self.started = {}                             # slice -> first start time
-        self.claimed = set()                          # slices whose commit is admitted
-        self.results = {}                             # slice -> outputs of the counted copy
+        self.running = collections.defaultdict(set)  # slice -> workers computing it
+        self.started = {}  # slice -> first start time
+        self.claimed = set()  # slices whose commit is admitted
+        self.results = {}  # slice -> outputs of the counted copy
         self.by_worker = collections.Counter()
         self.copies = self.backups = self.wasted = 0
         self.received = 0
@@ -92,8 +100,9 @@ class Evaluator:
         self.loss_fn = loss_fn
         flat = [np.asarray(a) for a in tf.nest.flatten(data)]
         self.num_examples = len(flat[0])
-        self.devices = [f"/job:worker/replica:0/task:{i}/device:CPU:0"
-                        for i in range(strategy.num_workers)]
+        self.devices = [
+            f"/job:worker/replica:0/task:{i}/device:CPU:0" for i in range(strategy.num_workers)
+        ]
         self._structure = data
         self._workers = self._build_workers(flat, strategy.deadline)
         self.slices = _split(self.num_examples, strategy.slices_per_worker * len(self.devices))
@@ -117,9 +126,10 @@ class Evaluator:
             except Exception as e:  # reported below, in the caller's thread
                 errors.append(e)
 
-        threads = [threading.Thread(target=build, args=(w,), daemon=True,
-                                    name=f"sandblaster-upload-{w}")
-                   for w in range(len(self.devices))]
+        threads = [
+            threading.Thread(target=build, args=(w,), daemon=True, name=f"sandblaster-upload-{w}")
+            for w in range(len(self.devices))
+        ]
         for thread in threads:
             thread.start()
         end = time.monotonic() + deadline
@@ -128,7 +138,8 @@ class Evaluator:
             if thread.is_alive():
                 raise ClusterTimeoutError(
                     f"Sandblaster: sending the training data to worker {w} did not finish "
-                    f"within {deadline:.0f} s")
+                    f"within {deadline:.0f} s"
+                )
         if errors:
             raise errors[0]
         return built
@@ -137,8 +148,12 @@ class Evaluator:
         blocks = [piece for group in self.parameters for piece in group]
         with tf.device(self.devices[w]):
             data = [tf.Variable(a, trainable=False, name=f"sandblaster_data{w}") for a in flat]
-            local = [tf.Variable(tf.zeros(b.shape, b.dtype), trainable=False,
-                                 name=f"sandblaster_param{w}") for b in blocks]
+            local = [
+                tf.Variable(
+                    tf.zeros(b.shape, b.dtype), trainable=False, name=f"sandblaster_param{w}"
+                )
+                for b in blocks
+            ]
         stage = self.vectors.stage[w]
         total = float(self.num_examples)
         sizes = [len(g) for g in self.parameters]
@@ -151,14 +166,14 @@ class Evaluator:
 
         @tf.function(input_signature=[tf.TensorSpec([], tf.int64)] * 2)
         def compute(start, size):
-            batch = tf.nest.pack_sequence_as(structure, [v[start:start + size] for v in data])
+            batch = tf.nest.pack_sequence_as(structure, [v[start : start + size] for v in data])
             share = tf.cast(size, tf.float64) / total
             with tf.GradientTape() as tape:
                 pieces = [v.read_value() for v in local]
                 tape.watch(pieces)
                 params, i = [], 0
                 for n in sizes:
-                    group = pieces[i:i + n]
+                    group = pieces[i : i + n]
                     params.append(group[0] if n == 1 else tf.concat(group, axis=0))
                     i += n
                 loss, aux = self.loss_fn(params, batch)
@@ -195,7 +210,8 @@ class Evaluator:
                     if len(self._dead) == len(self.devices):
                         raise ClusterError(
                             f"Sandblaster: every worker was lost (pass {p.number}, "
-                            f"{len(p.results)} of {len(p.slices)} slices done)")
+                            f"{len(p.results)} of {len(p.slices)} slices done)"
+                        )
                     waited = time.monotonic() - p.progress
                     if waited > deadline:
                         running = {s: sorted(ws) for s, ws in p.running.items() if ws}
@@ -203,7 +219,8 @@ class Evaluator:
                             f"Sandblaster: no slice finished for {deadline:.0f} s in pass "
                             f"{p.number} ({len(p.results)} of {len(p.slices)} done; running "
                             f"slice: workers {running}); a worker is stuck and backup "
-                            "tasks are off or exhausted")
+                            "tasks are off or exhausted"
+                        )
                     self._cv.wait(timeout=min(1.0, deadline - waited + 0.01))
             finally:
                 p.finished = True
@@ -212,10 +229,17 @@ class Evaluator:
         loss = float(sum(o[0] for o in outputs))
         aux = [sum(o[k] for o in outputs) for k in range(1, len(outputs[0]))]
         report = PassReport(
-            loss=loss, aux=aux, seconds=time.perf_counter() - t0, slices=len(p.slices),
-            copies=p.copies, backups=p.backups, wasted=p.wasted, lost_workers=list(p.lost),
+            loss=loss,
+            aux=aux,
+            seconds=time.perf_counter() - t0,
+            slices=len(p.slices),
+            copies=p.copies,
+            backups=p.backups,
+            wasted=p.wasted,
+            lost_workers=list(p.lost),
             slices_per_worker=[p.by_worker[w] for w in range(len(self.devices))],
-            received_bytes=p.received)
+            received_bytes=p.received,
+        )
         self.strategy.passes.append(report)
         return report
 
@@ -227,9 +251,11 @@ class Evaluator:
         if p.pending:
             s = p.pending.popleft()
         elif self.strategy.backup_tasks:
-            candidates = [s for s, ws in p.running.items()
-                          if ws and s not in p.claimed and w not in ws
-                          and len(ws) < self.strategy.max_copies]
+            candidates = [
+                s
+                for s, ws in p.running.items()
+                if ws and s not in p.claimed and w not in ws and len(ws) < self.strategy.max_copies
+            ]
             if not candidates:
                 return None
             s = min(candidates, key=p.started.__getitem__)
@@ -268,12 +294,14 @@ class Evaluator:
                     if self._fresh[w] != p.number:
                         refresh()
                         self._fresh[w] = p.number
-                    out = [t.numpy() for t in compute(tf.constant(start, tf.int64),
-                                                      tf.constant(size, tf.int64))]
+                    out = [
+                        t.numpy()
+                        for t in compute(tf.constant(start, tf.int64), tf.constant(size, tf.int64))
+                    ]
                 except _LOST as e:
                     self._lose(w, p, s, e)
                     return
-                except Exception as e:   # the user's computation failed: stop the pass
+                except Exception as e:  # the user's computation failed: stop the pass
                     with self._cv:
                         p.running[s].discard(w)
                         if p.error is None:
@@ -295,12 +323,12 @@ class Evaluator:
             return
         try:
             self.vectors.commit(w)
-        except Exception as e:   # a ps task failed: nothing can be trusted
+        except Exception as e:  # a ps task failed: nothing can be trusted
             with self._cv:
                 if p.error is None:
                     p.error = ClusterError(
-                        f"Sandblaster: committing slice {s} to the parameter servers "
-                        f"failed: {e}")
+                        f"Sandblaster: committing slice {s} to the parameter servers failed: {e}"
+                    )
                 self._cv.notify_all()
             return
         with self._cv:
@@ -320,14 +348,18 @@ class Evaluator:
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         tf.get_logger().warning(
             "Sandblaster: worker %d lost in pass %d (%s); its slices go to the others",
-            w, p.number, message)
+            w,
+            p.number,
+            message,
+        )
 
     def _start_threads(self):
         if self._threads:
             return
         for w in range(len(self.devices)):
-            thread = threading.Thread(target=self._worker_loop, args=(w,),
-                                      name=f"sandblaster-worker-{w}", daemon=True)
+            thread = threading.Thread(
+                target=self._worker_loop, args=(w,), name=f"sandblaster-worker-{w}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
 

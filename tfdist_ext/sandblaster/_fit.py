@@ -32,27 +32,30 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
             "SandblasterStrategy: the 'mixed_float16' dtype policy wrapped the LBFGS "
             "optimizer in a LossScaleOptimizer; L-BFGS has no loss scaling (its line "
             "search needs the exact loss and gradient). Use the 'mixed_bfloat16' or "
-            "'float32' policy for this model.")
+            "'float32' policy for this model."
+        )
     if not isinstance(optimizer, LBFGS):
         raise ValueError(
             "SandblasterStrategy: compile the model with "
-            f"tfdist_ext.optimizers.LBFGS, not {type(optimizer).__name__}")
+            f"tfdist_ext.optimizers.LBFGS, not {type(optimizer).__name__}"
+        )
     if arguments.get("class_weight"):
-        raise ValueError("SandblasterStrategy: class_weight is not supported; "
-                         "pass sample_weight instead")
+        raise ValueError(
+            "SandblasterStrategy: class_weight is not supported; pass sample_weight instead"
+        )
     x, y, sample_weight = (arguments.pop(k, None) for k in ("x", "y", "sample_weight"))
     split = arguments.pop("validation_split", 0.0)
     if split and arguments.get("validation_data") is None:
-        (x, y, sample_weight), arguments["validation_data"] = (
-            _integration.train_validation_split((x, y, sample_weight), validation_split=split))
+        (x, y, sample_weight), arguments["validation_data"] = _integration.train_validation_split(
+            (x, y, sample_weight), validation_split=split
+        )
     data = materialize(x, y, sample_weight, "fit")
     _build_from_data(model, strategy, data)
     for key in ("batch_size", "shuffle", "class_weight"):
         arguments.pop(key, None)
     run = _continued_run(model, strategy, data, optimizer)
     step = _TrainStep(model, run)
-    stand_in = tf.data.Dataset.from_tensors(
-        tf.nest.map_structure(lambda a: a[:2], data)).repeat()
+    stand_in = tf.data.Dataset.from_tensors(tf.nest.map_structure(lambda a: a[:2], data)).repeat()
     arguments["steps_per_epoch"] = arguments.get("steps_per_epoch") or 1
     arguments["x"] = stand_in
     arguments["shuffle"] = False
@@ -78,12 +81,12 @@ def _build_from_data(model, strategy, data):
         return
     x, _, _ = _integration.unpack_x_y_sample_weight(data)
     with strategy.scope():
-        _integration.call_model(model, tf.nest.map_structure(lambda a: a[:2], x),
-                                training=False)
+        _integration.call_model(model, tf.nest.map_structure(lambda a: a[:2], x), training=False)
     if not model.trainable_variables:
         raise ValueError(
             f"SandblasterStrategy: model {model.name!r} has no trainable weights "
-            "after a call on the training data; there is nothing for L-BFGS to fit")
+            "after a call on the training data; there is nothing for L-BFGS to fit"
+        )
 
 
 def _refuse_custom_train_step(model):
@@ -102,8 +105,14 @@ def _refuse_custom_train_step(model):
 
 def _continued_run(model, strategy, data, optimizer):
     """The model's L-BFGS run: a later ``fit`` on the same arrays continues it."""
-    evaluator = strategy._evaluator(("fit", id(model)), model, model.trainable_variables,
-                                    keras_objective(model), data, optimizer.memory)
+    evaluator = strategy._evaluator(
+        ("fit", id(model)),
+        model,
+        model.trainable_variables,
+        keras_objective(model),
+        data,
+        optimizer.memory,
+    )
     run = getattr(model, "_sandblaster_run", None)
     if run is None or run.evaluator is not evaluator or run.options is not optimizer:
         run = LBFGSRun(optimizer, evaluator.vectors, evaluator)
@@ -116,8 +125,7 @@ def materialize(x, y, sample_weight, caller):
     if isinstance(x, tf.data.Dataset):
         if y is not None or sample_weight is not None:
             raise ValueError(f"{caller}: pass y and sample_weight inside the dataset")
-        x, y, sample_weight = _integration.unpack_x_y_sample_weight(
-            read_dataset(x, caller))
+        x, y, sample_weight = _integration.unpack_x_y_sample_weight(read_dataset(x, caller))
     if x is None:
         raise ValueError(f"{caller}: no training data (x is None)")
     parts = (x, y) if sample_weight is None else (x, y, sample_weight)
@@ -126,16 +134,18 @@ def materialize(x, y, sample_weight, caller):
     parts = tf.nest.map_structure(np.asarray, parts)
     sizes = {len(a) for a in tf.nest.flatten(parts)}
     if len(sizes) != 1:
-        raise ValueError(f"{caller}: x, y and sample_weight have different numbers of "
-                         f"examples: {sorted(sizes)}")
+        raise ValueError(
+            f"{caller}: x, y and sample_weight have different numbers of examples: {sorted(sizes)}"
+        )
     return parts
 
 
 def read_dataset(dataset, caller):
     """A finite dataset of batches, concatenated into one nest of arrays."""
     if dataset.cardinality() == tf.data.INFINITE_CARDINALITY:
-        raise ValueError(f"{caller}: the dataset is infinite; L-BFGS needs the whole "
-                         "(finite) training set")
+        raise ValueError(
+            f"{caller}: the dataset is infinite; L-BFGS needs the whole (finite) training set"
+        )
     batches = list(dataset.as_numpy_iterator())
     if not batches:
         raise ValueError(f"{caller}: the dataset is empty")

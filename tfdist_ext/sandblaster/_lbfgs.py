@@ -75,7 +75,7 @@ class LBFGSRun:
         self._rho = [0.0] * self.memory
         self._gamma = 1.0
         self._last = None
-        self._trials = []   # f at each trial point of the current line search
+        self._trials = []  # f at each trial point of the current line search
 
     # ------------------------------------------------------------ helpers
     def _op(self, name, *args):
@@ -94,15 +94,17 @@ class LBFGSRun:
         slope, _, finite = self._op("probe")
         if not (finite and math.isfinite(report.loss)):
             what = "loss" if not math.isfinite(report.loss) else "gradient"
-            where = (f"iteration {self.nit + 1}, function evaluation {self.nfev}"
-                     + ("" if step is None else f", step size {step:.3g}"))
+            where = f"iteration {self.nit + 1}, function evaluation {self.nfev}" + (
+                "" if step is None else f", step size {step:.3g}"
+            )
             if self.f is not None:
                 self._op("restore")
                 kept = f"the model keeps the parameters of iteration {self.nit}"
             else:
                 kept = "the model keeps its initial parameters"
             raise FloatingPointError(
-                f"Sandblaster L-BFGS: the {what} is NaN or Inf at {where}; {kept}")
+                f"Sandblaster L-BFGS: the {what} is NaN or Inf at {where}; {kept}"
+            )
         self._last = report
         return report.loss, slope
 
@@ -123,7 +125,7 @@ class LBFGSRun:
         order = ring_order(self._head, self._count, self.memory)
         rho = [self._rho[i] for i in order]
         slope, dd = self._op("lbfgs_direction", order, rho, self._gamma)
-        if not slope < 0.0:        # not a descent direction (round-off): restart
+        if not slope < 0.0:  # not a descent direction (round-off): restart
             self._count = 0
             slope, dd = self._op("steepest_descent")
         return slope, dd
@@ -147,8 +149,9 @@ class LBFGSRun:
             return f, s
 
         o = self.options
-        return strong_wolfe(phi, self.f, slope, first_step, c1=o.c1, c2=o.c2,
-                            max_evaluations=o.max_line_search)
+        return strong_wolfe(
+            phi, self.f, slope, first_step, c1=o.c1, c2=o.c2, max_evaluations=o.max_line_search
+        )
 
     # ------------------------------------------------------------ interface
     @property
@@ -184,7 +187,7 @@ class LBFGSRun:
                 # would only spend another max_line_search passes.
                 self._stop(2, LINE_SEARCH_ROUND_OFF)
                 return self._record(t0, 0.0)
-            if self._count:         # forget the history and try steepest descent once
+            if self._count:  # forget the history and try steepest descent once
                 self._count = 0
                 slope, dd = self._direction()
                 try:
@@ -235,6 +238,12 @@ class LBFGSRun:
     def result(self):
         """The run so far as an :class:`OptimizeResult`."""
         return OptimizeResult(
-            fun=self.f, nit=self.nit, nfev=self.nfev, status=self.status,
+            fun=self.f,
+            nit=self.nit,
+            nfev=self.nfev,
+            status=self.status,
             success=self.status == 0,
-            message=self.message, grad_max=self.grad_max, history=list(self.history))
+            message=self.message,
+            grad_max=self.grad_max,
+            history=list(self.history),
+        )

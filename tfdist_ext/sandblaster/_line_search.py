@@ -48,8 +48,7 @@ def _interpolate(lo, f_lo, g_lo, hi, f_hi, g_hi):
     return step
 
 
-def strong_wolfe(phi, f0, g0, step, *, c1=1e-4, c2=0.9, max_evaluations=20,
-                 max_step=1e10):
+def strong_wolfe(phi, f0, g0, step, *, c1=1e-4, c2=0.9, max_evaluations=20, max_step=1e10):
     """Finds a step satisfying the strong Wolfe conditions.
 
     ``phi(step) -> (f, g)`` is the objective and its derivative along the
@@ -91,7 +90,9 @@ def strong_wolfe(phi, f0, g0, step, *, c1=1e-4, c2=0.9, max_evaluations=20,
             lo, f_lo, g_lo = trial, f, g
         raise LineSearchError(
             f"no strong-Wolfe step in [{min(lo, hi):.3g}, {max(lo, hi):.3g}] after "
-            f"{evaluations} evaluations", evaluations)
+            f"{evaluations} evaluations",
+            evaluations,
+        )
 
     while evaluations < max_evaluations:
         f, g = phi(step)
@@ -107,4 +108,5 @@ def strong_wolfe(phi, f0, g0, step, *, c1=1e-4, c2=0.9, max_evaluations=20,
         prev, f_prev, g_prev = step, f, g
         step = min(2.0 * step, max_step)
     raise LineSearchError(
-        f"no strong-Wolfe step up to {step:.3g} after {evaluations} evaluations", evaluations)
+        f"no strong-Wolfe step up to {step:.3g} after {evaluations} evaluations", evaluations
+    )

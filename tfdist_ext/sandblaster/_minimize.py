@@ -13,11 +13,22 @@ from tfdist_ext.sandblaster._lbfgs import OptimizeResult
 from tfdist_ext.sandblaster._optimizer import LBFGS
 
 
-def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
-             strategy: tf.distribute.Strategy, memory: int = 10, gtol: float = 1e-5,
-             ftol: float = 2.220446049250313e-09, max_iterations: int = 15000,
-             max_line_search: int = 20, c1: float = 1e-4, c2: float = 0.9,
-             callback: Callable | None = None, verbose: int = 0) -> OptimizeResult:
+def minimize(
+    loss_fn: Callable,
+    variables: Sequence[tf.Variable],
+    data,
+    *,
+    strategy: tf.distribute.Strategy,
+    memory: int = 10,
+    gtol: float = 1e-5,
+    ftol: float = 2.220446049250313e-09,
+    max_iterations: int = 15000,
+    max_line_search: int = 20,
+    c1: float = 1e-4,
+    c2: float = 0.9,
+    callback: Callable | None = None,
+    verbose: int = 0,
+) -> OptimizeResult:
     """Minimises the mean of ``loss_fn`` over ``data`` by Sandblaster L-BFGS.
 
     For users outside Keras, in the manner of ``scipy.optimize.minimize``:
@@ -64,11 +75,19 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
       ...
       >>> result.fun, result.nit, result.message  # doctest: +SKIP
     """
-    options = LBFGS(memory=memory, gtol=gtol, ftol=ftol, max_iterations=max_iterations,
-                    max_line_search=max_line_search, c1=c1, c2=c2)
+    options = LBFGS(
+        memory=memory,
+        gtol=gtol,
+        ftol=ftol,
+        max_iterations=max_iterations,
+        max_line_search=max_line_search,
+        c1=c1,
+        c2=c2,
+    )
     if verbose not in (0, 1):
-        raise ValueError(f"minimize: verbose must be 0 (silent) or 1 (a line per iteration), "
-                         f"got {verbose!r}")
+        raise ValueError(
+            f"minimize: verbose must be 0 (silent) or 1 (a line per iteration), got {verbose!r}"
+        )
     if not getattr(strategy, "_owner", None) == "SandblasterStrategy":
         raise ValueError(f"minimize: strategy must be a SandblasterStrategy, got {strategy!r}")
     variables = list(variables)
@@ -79,14 +98,16 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
     data = tf.nest.map_structure(np.asarray, data)
     sizes = {len(a) for a in tf.nest.flatten(data)}
     if len(sizes) != 1:
-        raise ValueError(f"minimize: the arrays of data have different numbers of examples: "
-                         f"{sorted(sizes)}")
+        raise ValueError(
+            f"minimize: the arrays of data have different numbers of examples: {sorted(sizes)}"
+        )
 
     def objective(params, batch):
         return loss_fn(params, batch), []
 
-    evaluator = strategy._evaluator(("minimize", id(loss_fn)), loss_fn, variables, objective,
-                                    data, memory)
+    evaluator = strategy._evaluator(
+        ("minimize", id(loss_fn)), loss_fn, variables, objective, data, memory
+    )
     run = LBFGSRun(options, evaluator.vectors, evaluator)
     start = time.perf_counter()
     while not run.done:
@@ -97,14 +118,20 @@ def minimize(loss_fn: Callable, variables: Sequence[tf.Variable], data, *,
             callback(record)
     result = run.result()
     if verbose:
-        print(f"L-BFGS stopped after {result.nit} iterations, {result.nfev} passes, "
-              f"{time.perf_counter() - start:.1f} s: {result.message}", flush=True)
+        print(
+            f"L-BFGS stopped after {result.nit} iterations, {result.nfev} passes, "
+            f"{time.perf_counter() - start:.1f} s: {result.message}",
+            flush=True,
+        )
     result["x"] = [v.numpy() for v in variables]
     return result
 
 
 def print_iteration(record, seconds):
     """One line of progress for an iteration's record (``verbose=1``)."""
-    print(f"L-BFGS iteration {record['iteration']:4d}: loss {record['loss']:.8g}  "
-          f"max|g| {record['grad_max']:.2e}  passes {record['function_evals']:2d}  "
-          f"{seconds:6.1f} s", flush=True)
+    print(
+        f"L-BFGS iteration {record['iteration']:4d}: loss {record['loss']:.8g}  "
+        f"max|g| {record['grad_max']:.2e}  passes {record['function_evals']:2d}  "
+        f"{seconds:6.1f} s",
+        flush=True,
+    )

@@ -6,8 +6,15 @@ import keras
 # scipy.optimize.line_search); the steps it accepts satisfy the strong Wolfe
 # conditions.
 _LINE_SEARCHES = ("strong_wolfe",)
-_KERAS_ONLY = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema",
-               "loss_scale_factor", "gradient_accumulation_steps")
+_KERAS_ONLY = (
+    "weight_decay",
+    "clipnorm",
+    "clipvalue",
+    "global_clipnorm",
+    "use_ema",
+    "loss_scale_factor",
+    "gradient_accumulation_steps",
+)
 
 
 @keras.saving.register_keras_serializable(package="tfdist_ext")
@@ -46,17 +53,27 @@ class LBFGS(keras.optimizers.Optimizer):
       >>> model.fit(x, y, epochs=50)  # doctest: +SKIP
     """
 
-    def __init__(self, memory: int = 10, gtol: float = 1e-5, ftol: float = 2.220446049250313e-09,
-                 max_iterations: int | None = None, line_search: str = "strong_wolfe",
-                 max_line_search: int = 20, c1: float = 1e-4, c2: float = 0.9,
-                 name: str = "lbfgs", **kwargs):
+    def __init__(
+        self,
+        memory: int = 10,
+        gtol: float = 1e-5,
+        ftol: float = 2.220446049250313e-09,
+        max_iterations: int | None = None,
+        line_search: str = "strong_wolfe",
+        max_line_search: int = 20,
+        c1: float = 1e-4,
+        c2: float = 0.9,
+        name: str = "lbfgs",
+        **kwargs,
+    ):
         kwargs.pop("learning_rate", None)
         for key in _KERAS_ONLY:
             if kwargs.get(key) not in (None, False):
                 raise ValueError(f"LBFGS: {key} is not supported (L-BFGS takes no such option)")
         if line_search not in _LINE_SEARCHES:
-            raise ValueError(f"LBFGS: line_search must be one of {sorted(_LINE_SEARCHES)}, "
-                             f"got {line_search!r}")
+            raise ValueError(
+                f"LBFGS: line_search must be one of {sorted(_LINE_SEARCHES)}, got {line_search!r}"
+            )
         _check_int("memory", memory, 1)
         _check_int("max_line_search", max_line_search, 1)
         if max_iterations is not None:
@@ -86,16 +103,23 @@ class LBFGS(keras.optimizers.Optimizer):
         raise NotImplementedError(
             "LBFGS is a full-batch method and does not apply single gradients: fit the "
             "model under tfdist_ext.SandblasterStrategy, or use "
-            "tfdist_ext.sandblaster.minimize")
+            "tfdist_ext.sandblaster.minimize"
+        )
 
     def get_config(self):
         config = super().get_config()
         for key in ("learning_rate",) + _KERAS_ONLY + ("ema_momentum", "ema_overwrite_frequency"):
             config.pop(key, None)
-        config.update(memory=self.memory, gtol=self.gtol, ftol=self.ftol,
-                      max_iterations=self.max_iterations, line_search=self.line_search,
-                      max_line_search=self.max_line_search,
-                      c1=self.c1, c2=self.c2)
+        config.update(
+            memory=self.memory,
+            gtol=self.gtol,
+            ftol=self.ftol,
+            max_iterations=self.max_iterations,
+            line_search=self.line_search,
+            max_line_search=self.max_line_search,
+            c1=self.c1,
+            c2=self.c2,
+        )
         return config
 
 

@@ -71,17 +71,25 @@ class SandblasterStrategy(ParameterServerBase):
 
     _owner = "SandblasterStrategy"
 
-    def __init__(self, cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver, *,
-                 slices_per_worker: int = 10, backup_tasks: bool = True, max_copies: int = 2,
-                 min_shard_bytes: int = 256 << 10, deadline: float = 60.0):
+    def __init__(
+        self,
+        cluster_resolver: tf.distribute.cluster_resolver.ClusterResolver,
+        *,
+        slices_per_worker: int = 10,
+        backup_tasks: bool = True,
+        max_copies: int = 2,
+        min_shard_bytes: int = 256 << 10,
+        deadline: float = 60.0,
+    ):
         self.slices_per_worker = positive_int(self._owner, "slices_per_worker", slices_per_worker)
         if not isinstance(backup_tasks, bool):
-            raise ValueError(f"SandblasterStrategy: backup_tasks must be True or False, "
-                             f"got {backup_tasks!r}")
+            raise ValueError(
+                f"SandblasterStrategy: backup_tasks must be True or False, got {backup_tasks!r}"
+            )
         self.backup_tasks = backup_tasks
         self.max_copies = positive_int(self._owner, "max_copies", max_copies, 2)
         super().__init__(cluster_resolver, min_shard_bytes=min_shard_bytes, deadline=deadline)
-        self.passes = []   # PassReport of every pass, in order
+        self.passes = []  # PassReport of every pass, in order
         self._evaluators = {}
         _integration.install_trainer_hooks()
 
@@ -102,8 +110,11 @@ class SandblasterStrategy(ParameterServerBase):
         vectors on the ``ps`` tasks; later runs on the same arrays reuse it.
         """
         self._check_open()
-        signature = (tuple(id(v) for v in variables), memory,
-                     tuple((id(a), np.shape(a)) for a in tf.nest.flatten(data)))
+        signature = (
+            tuple(id(v) for v in variables),
+            memory,
+            tuple((id(a), np.shape(a)) for a in tf.nest.flatten(data)),
+        )
         entry = self._evaluators.get(key)
         if entry is not None and entry[0]() is owner and entry[1] == signature:
             return entry[2]
@@ -116,7 +127,8 @@ class SandblasterStrategy(ParameterServerBase):
                     raise ValueError(
                         f"SandblasterStrategy: variable {getattr(v, 'path', v.name)!r} is on "
                         f"{piece.device or 'this process'}, not on a 'ps' task; create it "
-                        "under `strategy.scope()`")
+                        "under `strategy.scope()`"
+                    )
         blocks = [piece for group in parameters for piece in group]
         vectors = ShardedVectors(blocks, memory, self.num_workers)
         evaluator = Evaluator(self, parameters, vectors, loss_fn, data)

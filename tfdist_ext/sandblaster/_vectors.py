@@ -41,20 +41,24 @@ class ShardedVectors:
 
         def zeros(block, shape, name, dtype=None):
             with tf.device(block.device):
-                return tf.Variable(tf.zeros(shape, dtype or block.dtype), trainable=False,
-                                   name=f"sandblaster_{name}")
+                return tf.Variable(
+                    tf.zeros(shape, dtype or block.dtype),
+                    trainable=False,
+                    name=f"sandblaster_{name}",
+                )
 
         # One list per vector, in block order.
-        self.base = [zeros(b, b.shape, "x") for b in self.blocks]       # accepted point
-        self.grad = [zeros(b, b.shape, "g") for b in self.blocks]       # its gradient
+        self.base = [zeros(b, b.shape, "x") for b in self.blocks]  # accepted point
+        self.grad = [zeros(b, b.shape, "g") for b in self.blocks]  # its gradient
         self.direction = [zeros(b, b.shape, "d") for b in self.blocks]
         # float64: a sum of float32 slice gradients is then exact in practice,
         # so the gradient does not depend on the order slices finish in.
         self.accumulator = [zeros(b, b.shape, "acc", _F64) for b in self.blocks]
         self.s = [zeros(b, [memory, *b.shape], "s") for b in self.blocks]
         self.y = [zeros(b, [memory, *b.shape], "y") for b in self.blocks]
-        self.stage = [[zeros(b, b.shape, f"stage{w}") for b in self.blocks]
-                      for w in range(num_workers)]
+        self.stage = [
+            [zeros(b, b.shape, f"stage{w}") for b in self.blocks] for w in range(num_workers)
+        ]
         self.parameter_bytes = sum(b.shape.num_elements() * b.dtype.size for b in self.blocks)
         self._build_functions()
 
@@ -75,8 +79,8 @@ class ShardedVectors:
         def move_to(step):
             # Model variables <- base + step * direction (the trial point).
             self._per_block(
-                lambda b, x, d: b.assign(x + tf.cast(step, b.dtype) * d),
-                self.base, self.direction)
+                lambda b, x, d: b.assign(x + tf.cast(step, b.dtype) * d), self.base, self.direction
+            )
 
         @tf.function
         def restore():
@@ -85,12 +89,23 @@ class ShardedVectors:
         @tf.function
         def probe():
             # After a pass: phi'(step) = g.d, max|g|, and whether g is finite.
-            slope = tf.add_n(self._per_block(lambda b, g, d: _dot(g, d),
-                                             self.accumulator, self.direction))
-            gmax = tf.reduce_max(tf.stack(self._per_block(
-                lambda b, g: tf.reduce_max(tf.abs(g.read_value())), self.accumulator)))
-            finite = tf.reduce_all(tf.stack(self._per_block(
-                lambda b, g: tf.reduce_all(tf.math.is_finite(g)), self.accumulator)))
+            slope = tf.add_n(
+                self._per_block(lambda b, g, d: _dot(g, d), self.accumulator, self.direction)
+            )
+            gmax = tf.reduce_max(
+                tf.stack(
+                    self._per_block(
+                        lambda b, g: tf.reduce_max(tf.abs(g.read_value())), self.accumulator
+                    )
+                )
+            )
+            finite = tf.reduce_all(
+                tf.stack(
+                    self._per_block(
+                        lambda b, g: tf.reduce_all(tf.math.is_finite(g)), self.accumulator
+                    )
+                )
+            )
             return slope, gmax, finite
 
         @tf.function
@@ -100,6 +115,7 @@ class ShardedVectors:
                 x.assign(b)
                 g.assign(tf.cast(a, b.dtype))
                 return _dot(a, a), tf.reduce_max(tf.abs(a.read_value()))
+
             parts = self._per_block(one, self.base, self.grad, self.accumulator)
             return tf.add_n([p[0] for p in parts]), tf.reduce_max(tf.stack([p[1] for p in parts]))
 
@@ -114,11 +130,18 @@ class ShardedVectors:
                 y.scatter_update(tf.IndexedSlices(y_new[None], slot[None]))
                 x.assign(b)
                 g.assign(tf.cast(a, b.dtype))
-                return (_dot(s_new, y_new), _dot(y_new, y_new),
-                        tf.reduce_max(tf.abs(a.read_value())))
+                return (
+                    _dot(s_new, y_new),
+                    _dot(y_new, y_new),
+                    tf.reduce_max(tf.abs(a.read_value())),
+                )
+
             parts = self._per_block(one, self.base, self.grad, self.accumulator, self.s, self.y)
-            return (tf.add_n([p[0] for p in parts]), tf.add_n([p[1] for p in parts]),
-                    tf.reduce_max(tf.stack([p[2] for p in parts])))
+            return (
+                tf.add_n([p[0] for p in parts]),
+                tf.add_n([p[1] for p in parts]),
+                tf.reduce_max(tf.stack([p[2] for p in parts])),
+            )
 
         @tf.function
         def steepest():
@@ -126,6 +149,7 @@ class ShardedVectors:
             def one(b, g, d):
                 d.assign(-g)
                 return _dot(g, g)
+
             gg = tf.add_n(self._per_block(one, self.grad, self.direction))
             return -gg, gg
 
@@ -139,25 +163,27 @@ class ShardedVectors:
             alphas = []
             for j in range(self.memory):
                 slot = order[j]
-                partial = self._per_block(
-                    lambda b, s, qi: _dot(tf.gather(s, slot), qi), self.s, q)
+                partial = self._per_block(lambda b, s, qi: _dot(tf.gather(s, slot), qi), self.s, q)
                 alpha = rho[j] * tf.add_n(partial)
                 alphas.append(alpha)
                 q = self._per_block(
-                    lambda b, y, qi: qi - tf.cast(alpha, b.dtype) * tf.gather(y, slot), self.y, q)
+                    lambda b, y, qi: qi - tf.cast(alpha, b.dtype) * tf.gather(y, slot), self.y, q
+                )
             r = self._per_block(lambda b, qi: tf.cast(gamma, b.dtype) * qi, q)
             for j in reversed(range(self.memory)):
                 slot = order[j]
-                partial = self._per_block(
-                    lambda b, y, ri: _dot(tf.gather(y, slot), ri), self.y, r)
+                partial = self._per_block(lambda b, y, ri: _dot(tf.gather(y, slot), ri), self.y, r)
                 coefficient = alphas[j] - rho[j] * tf.add_n(partial)
                 r = self._per_block(
                     lambda b, s, ri: ri + tf.cast(coefficient, b.dtype) * tf.gather(s, slot),
-                    self.s, r)
+                    self.s,
+                    r,
+                )
 
             def store(b, d, ri, g):
                 d.assign(-ri)
                 return -_dot(ri, g), _dot(ri, ri)
+
             parts = self._per_block(store, self.direction, r, self.grad)
             return tf.add_n([p[0] for p in parts]), tf.add_n([p[1] for p in parts])
 
@@ -176,8 +202,7 @@ class ShardedVectors:
 
         @tf.function
         def commit():
-            self._per_block(lambda b, a, s: a.assign_add(tf.cast(s, _F64)),
-                            self.accumulator, stage)
+            self._per_block(lambda b, a, s: a.assign_add(tf.cast(s, _F64)), self.accumulator, stage)
 
         return commit
 
@@ -222,8 +247,9 @@ class ShardedVectors:
         """Direction <- -H g (two-loop recursion); returns ``(g.d, d.d)``."""
         order = list(order) + [0] * (self.memory - len(order))
         rho = list(rho) + [0.0] * (self.memory - len(rho))
-        slope, dd = self._two_loop(tf.constant(order, tf.int32),
-                                   tf.constant(rho, _F64), tf.constant(gamma, _F64))
+        slope, dd = self._two_loop(
+            tf.constant(order, tf.int32), tf.constant(rho, _F64), tf.constant(gamma, _F64)
+        )
         return float(slope), float(dd)
 
     def coordinator_bytes(self):
@@ -243,11 +269,18 @@ class ShardedVectors:
             "start": (self._start, ()),
             "accept": (self._accept, (tf.constant(0, tf.int32),)),
             "steepest_descent": (self._steepest, ()),
-            "lbfgs_direction": (self._two_loop, (tf.constant([0] * m, tf.int32),
-                                                 tf.constant([0.0] * m, _F64),
-                                                 tf.constant(1.0, _F64))),
+            "lbfgs_direction": (
+                self._two_loop,
+                (
+                    tf.constant([0] * m, tf.int32),
+                    tf.constant([0.0] * m, _F64),
+                    tf.constant(1.0, _F64),
+                ),
+            ),
         }
-        return {name: _edge_bytes(fn.get_concrete_function(*args)) for name, (fn, args) in calls.items()}
+        return {
+            name: _edge_bytes(fn.get_concrete_function(*args)) for name, (fn, args) in calls.items()
+        }
 
 
 def _edge_bytes(concrete):

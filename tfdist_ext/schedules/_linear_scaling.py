@@ -55,19 +55,29 @@ class LinearScaling(keras.optimizers.schedules.LearningRateSchedule):
       3.2
     """
 
-    def __init__(self, base_learning_rate: float, base_batch_size: int, batch_size: int, *,
-                 warmup_epochs: float = 5, steps_per_epoch: int | None = None,
-                 warmup: Literal["gradual", "constant"] = "gradual",
-                 after: Callable | None = None, total_epochs: float | None = None):
+    def __init__(
+        self,
+        base_learning_rate: float,
+        base_batch_size: int,
+        batch_size: int,
+        *,
+        warmup_epochs: float = 5,
+        steps_per_epoch: int | None = None,
+        warmup: Literal["gradual", "constant"] = "gradual",
+        after: Callable | None = None,
+        total_epochs: float | None = None,
+    ):
         owner = "LinearScaling"
         self.base_learning_rate = _validate.positive_number(
-            owner, "base_learning_rate", base_learning_rate)
+            owner, "base_learning_rate", base_learning_rate
+        )
         self.base_batch_size = _validate.positive_int(owner, "base_batch_size", base_batch_size)
         self.batch_size = _validate.positive_int(owner, "batch_size", batch_size)
         self.warmup_epochs = _validate.non_negative_number(owner, "warmup_epochs", warmup_epochs)
         self.warmup = _validate.warmup_kind(owner, warmup)
         self.steps_per_epoch = _validate.positive_int(
-            owner, "steps_per_epoch", steps_per_epoch, allow_none=True)
+            owner, "steps_per_epoch", steps_per_epoch, allow_none=True
+        )
         if self.warmup_epochs > 0 and self.steps_per_epoch is None:
             raise ValueError(
                 f"{owner}: steps_per_epoch is required when warmup_epochs > 0 "
@@ -124,8 +134,9 @@ class LinearScaling(keras.optimizers.schedules.LearningRateSchedule):
             "warmup_epochs": self.warmup_epochs,
             "steps_per_epoch": self.steps_per_epoch,
             "warmup": self.warmup,
-            "after": (None if self.after is None
-                      else keras.saving.serialize_keras_object(self.after)),
+            "after": (
+                None if self.after is None else keras.saving.serialize_keras_object(self.after)
+            ),
             "total_epochs": self.total_epochs,
         }
 
@@ -156,11 +167,18 @@ class StepDecay(keras.optimizers.schedules.LearningRateSchedule):
       0.001
     """
 
-    def __init__(self, base_learning_rate: float, boundaries: Sequence[float], *,
-                 steps_per_epoch: int, factor: float = 0.1):
+    def __init__(
+        self,
+        base_learning_rate: float,
+        boundaries: Sequence[float],
+        *,
+        steps_per_epoch: int,
+        factor: float = 0.1,
+    ):
         owner = "StepDecay"
         self.base_learning_rate = _validate.positive_number(
-            owner, "base_learning_rate", base_learning_rate)
+            owner, "base_learning_rate", base_learning_rate
+        )
         self.steps_per_epoch = _validate.positive_int(owner, "steps_per_epoch", steps_per_epoch)
         try:
             boundaries = [float(b) for b in boundaries]
@@ -170,8 +188,7 @@ class StepDecay(keras.optimizers.schedules.LearningRateSchedule):
             ) from e
         if any(b <= 0 for b in boundaries) or boundaries != sorted(set(boundaries)):
             raise ValueError(
-                f"{owner}: boundaries must be strictly increasing epochs > 0, "
-                f"got {boundaries!r}"
+                f"{owner}: boundaries must be strictly increasing epochs > 0, got {boundaries!r}"
             )
         self.boundaries = boundaries
         factor = _validate.positive_number(owner, "factor", factor)
@@ -185,7 +202,8 @@ class StepDecay(keras.optimizers.schedules.LearningRateSchedule):
         for boundary in self.boundaries:
             drops = drops + ops.cast(epoch >= boundary, "float32")
         return self.base_learning_rate * ops.power(
-            ops.convert_to_tensor(self.factor, "float32"), drops)
+            ops.convert_to_tensor(self.factor, "float32"), drops
+        )
 
     def get_config(self):
         return {
