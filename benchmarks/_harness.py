@@ -18,16 +18,18 @@ import time
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def run_in_process(module, cfg, timeout=900):
+def run_in_process(module, cfg, timeout=900, repo=None):
     """Runs ``python -m MODULE 'json cfg'`` from the repository root, with a deadline.
 
     The module prints one line ``RESULT {json}``; returns that object. Each
     measured run is a fresh interpreter: a process connects to one
     TensorFlow cluster only, and logical devices are fixed per process.
+    ``repo`` runs it from another checkout instead (e.g. to measure a
+    baseline in the same interleaved run).
     """
     import subprocess
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-m", module, json.dumps(cfg)],
         cwd=repo, capture_output=True, text=True, timeout=timeout,

@@ -15,6 +15,7 @@ interleaved round by round and summarised by medians.
 * staleness: the distribution over every push of the Downpour runs.
 """
 
+import argparse
 import collections
 
 import numpy as np
@@ -23,7 +24,8 @@ from benchmarks import _harness
 
 
 def _run(cfg, timeout=900):
-    return _harness.run_in_process("benchmarks._downpour_run", cfg, timeout)
+    repo = cfg.pop("repo", None)
+    return _harness.run_in_process("benchmarks._downpour_run", cfg, timeout, repo=repo)
 
 
 def _interleave(configs, repeats):
@@ -32,8 +34,31 @@ def _interleave(configs, repeats):
     names = list(configs)
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            samples[name].append(_run(configs[name]))
+            samples[name].append(_run(dict(configs[name])))
     return samples
+
+
+def throughput(models=("mlp", "cnn"), workers=(1, 2), ns=(1, 5), steps=200, repeats=3, seed=0,
+               baseline=None):
+    """Examples/s of plain Keras (one thread) and Downpour, interleaved: ``{model: {system: [...]}}``.
+
+    ``baseline``: another checkout whose Downpour runs join the same
+    interleaving as ``baseline-downpour-...`` (before/after comparisons).
+    """
+    out = {}
+    for model in models:
+        configs = {"keras-1thread": dict(task="throughput", system="keras", model=model,
+                                         steps=steps, seed=seed)}
+        for n in ns:
+            for w in workers:
+                cfg = dict(task="throughput", system="downpour", workers=w, n=n, model=model,
+                           steps=steps, seed=seed)
+                configs[f"downpour-{w}w-n{n}"] = cfg
+                if baseline:
+                    configs[f"baseline-downpour-{w}w-n{n}"] = dict(cfg, repo=baseline)
+        samples = _interleave(configs, repeats)
+        out[model] = {k: [s["examples_per_second"] for s in v] for k, v in samples.items()}
+    return out
 
 
 def run(quick=False, seed=0):
@@ -44,16 +69,7 @@ def run(quick=False, seed=0):
     # -- throughput ---------------------------------------------------------
     steps = 40 if quick else 200
     scale_rows = []
-    for model in ("mlp", "cnn"):
-        configs = {"keras-1thread": dict(task="throughput", system="keras", model=model,
-                                         steps=steps, seed=seed)}
-        for n in (1, 5):
-            for workers in (1, 2):
-                configs[f"downpour-{workers}w-n{n}"] = dict(
-                    task="throughput", system="downpour", workers=workers, n=n, model=model,
-                    steps=steps, seed=seed)
-        samples = _interleave(configs, repeats)
-        eps = {k: [s["examples_per_second"] for s in v] for k, v in samples.items()}
+    for model, eps in throughput(steps=steps, repeats=repeats, seed=seed).items():
         for system, values in eps.items():
             figures.append(_harness.figure(model, system, "throughput", "examples/s", values,
                                            batch_per_worker=64, steps=steps))
@@ -144,3 +160,39 @@ def run(quick=False, seed=0):
         "table": {"columns": ["section / model", "a", "b", "c", "d"], "rows": rows},
         "notes": notes,
     }
+
+
+def main(argv=None):
+    """``python -m benchmarks.downpour``: the throughput section alone, printed, nothing written.
+
+    For iterating on Downpour's speed: e.g. ``--models mlp --workers 1
+    --baseline /path/to/other/checkout`` interleaves plain Keras, this
+    checkout's Downpour and the other checkout's, and prints medians and
+    ratios to ``keras-1thread``.
+    """
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.downpour")
+    parser.add_argument("--models", nargs="+", default=["mlp"], choices=["mlp", "cnn"])
+    parser.add_argument("--workers", nargs="+", type=int, default=[1])
+    parser.add_argument("--n", nargs="+", type=int, default=[1, 5], dest="ns")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baseline", help="another checkout to measure in the same interleaving")
+    args = parser.parse_args(argv)
+    eps = throughput(models=args.models, workers=args.workers, ns=args.ns, steps=args.steps,
+                     repeats=args.repeats, seed=args.seed, baseline=args.baseline)
+    rows = []
+    for model, systems in eps.items():
+        keras_eps = _harness.median(systems["keras-1thread"])
+        for system, values in systems.items():
+            rows.append([model, system, _harness.median(values), _harness.median(values) / keras_eps,
+                         ", ".join(f"{v:.0f}" for v in values)])
+    print(f"throughput, batch 64 per worker, {args.steps} steps, {args.repeats} interleaved "
+          f"repeats, seed {args.seed}")
+    print(_harness.format_table({"columns": ["model", "system", "examples/s (median)",
+                                             "x keras-1thread", "repeats"], "rows": rows}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

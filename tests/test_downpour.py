@@ -168,6 +168,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, deadline=20)
     with strategy.scope():
         model = compile(mlp())
+    # Rounds of 2 steps (not the default ~40 here): many dispatches, so the
+    # coordinator hands the restarted worker rounds within this short fit.
+    model.steps_per_execution = 2
     class Chaos(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch = epoch
@@ -175,7 +178,7 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
                 cluster.restart("worker", 1)
                 marks["restarted"] = dict(strategy.stats.steps_per_worker)
         def on_train_batch_end(self, batch, logs=None):
-            if self.epoch == 0 and batch == 30:
+            if self.epoch == 0 and batch == 31:
                 cluster.kill("worker", 1)
                 marks["killed_alive"] = cluster.alive("worker", 1)
     h = model.fit(digits_train(), epochs=4, steps_per_epoch=80, validation_data=digits_test(),

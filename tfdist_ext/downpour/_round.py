@@ -1,14 +1,16 @@
 """The round a Downpour worker runs (internal).
 
-A round is ``lcm(n_fetch, n_push)`` local steps on one worker, traced once
-as a ``tf.function``: fetch the parameters from the ``ps`` shards, run the
-local steps on that copy (``keras.StatelessScope`` maps the model's
-variables to the local tensors), fetch again every ``n_fetch`` steps, and
-push the summed gradient every ``n_push`` steps through the compiled
-optimizer, whose update ops run on the ``ps`` task that owns each variable.
-Round boundaries fall exactly where both a fetch and a push are due, so no
-state has to live on the worker between rounds: a lost worker loses only
-the gradients of its round in flight.
+A round is a multiple of ``lcm(n_fetch, n_push)`` local steps on one worker
+(as many as the chief asks for: one dispatch, many steps), traced once as a
+``tf.function``: fetch the parameters from the ``ps`` shards, run the local
+steps on that copy (``keras.StatelessScope`` maps the model's variables to
+the local tensors), fetch again every ``n_fetch`` steps, and push the summed
+gradient every ``n_push`` steps through the compiled optimizer, whose update
+ops run on the ``ps`` task that owns each variable; a push sends one tensor
+per ``ps`` task. The metrics accumulate on a local copy too, added to the
+model's metric variables at the round's end. Round boundaries fall exactly
+where both a fetch and a push are due, so no state has to live on the
+worker between rounds: a lost worker loses only its unsent gradients.
 
 A model that overrides ``train_step`` has that step run instead, on the
 server's variables (it reads them itself: ``n_fetch`` is 1); the gradients
@@ -67,8 +69,9 @@ def build_round(model, strategy, version):
         """The local copy of the parameters and the server version it is from."""
         return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
 
-    def keras_step(params, data):
-        """Keras's step on the local copy ``params``: the gradients."""
+    def keras_step(params, metric_values, data):
+        """Keras's step on the local copy ``params``: the gradients and the
+        metrics' new state (local: see ``round_fn``)."""
         x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
         scale = loss_scale.read()
         with tf.GradientTape() as tape:
@@ -89,27 +92,31 @@ def build_round(model, strategy, version):
             if value is not None:
                 v.assign(value)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
-        _integration.loss_tracker(model).update_state(loss, sample_weight=batch)
-        model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return grads
+        with keras.StatelessScope(state_mapping=list(zip(metric_vars, metric_values))) as scope:
+            _integration.loss_tracker(model).update_state(loss, sample_weight=batch)
+            model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        return grads, [scope.get_current_value(v) for v in metric_vars]
 
     def version_only():
         """The user's step reads the parameters itself: only the version."""
         return [], version.read_value()
 
-    def user_step(params, data):
+    def user_step(params, metric_values, data):
         """The user's ``train_step``; its ``optimizer.apply`` gives the gradients."""
         with GradientCollector(model, trainable) as collector:
             model.train_step(data)
-        return collector.gradients()
+        return collector.gradients(), metric_values
 
     owner = _integration.overridden_step(model, "train_step")
     if owner is None:
         fetch, step = keras_fetch, keras_step
+        metric_vars = list({id(v): v for v in model.metrics_variables}.values())
     else:
-        # The user's step reads the variables where they live (n_fetch is 1).
+        # The user's step reads the variables where they live (n_fetch is 1),
+        # and updates its metrics there too.
         _check_unsplit(trainable, owner)
         fetch, step = version_only, user_step
+        metric_vars = []
 
     push, state_vars = make_push(strategy, loss_scale.target(optimizer), trainable,
                                  param_bytes, loss_scale)
@@ -117,6 +124,12 @@ def build_round(model, strategy, version):
     @tf.function
     def round_fn(iterator, worker, num_steps):
         state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
+        # The metrics accumulate on a local copy; the round adds what it
+        # changed to the real variables once, at its end (an atomic add, so
+        # concurrent rounds lose no update), instead of a read and a write
+        # on the ps at every step.
+        metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
+        metric_values = metrics_start
         sent = tf.constant(0, tf.int64)
         params, fetched = fetch()
         accum = [tf.zeros(v.shape, v.dtype) for v in trainable]
@@ -130,7 +143,7 @@ def build_round(model, strategy, version):
             if i > 0 and i % n_fetch == 0:
                 params, fetched = fetch()
                 fetches += 1
-            grads = strategy.run(step, args=(params, next(iterator)))
+            grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
             accum = [a + g for a, g in zip(accum, grads)]
             carried += 1
             if (i + 1) % n_push == 0 or i + 1 == num_steps:
@@ -150,6 +163,8 @@ def build_round(model, strategy, version):
         # carries over to this worker's next round. PerWorkerVariables get
         # no automatic control dependencies: tie the writes to the outputs.
         saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
+        saved += [v.value.assign_add(new - old)
+                  for v, new, old in zip(metric_vars, metric_values, metrics_start)]
         with tf.control_dependencies(saved):
             steps = tf.identity(steps)
         return {
@@ -331,7 +346,9 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
     owning ``ps`` task. With a compressor the worker sends the compressed
     wire form, the owning ``ps`` task decompresses it, and the compressor's
     state (error-feedback residuals, DGC momenta) stays on the worker in
-    per-worker variables; a rejected push leaves that state unchanged.
+    per-worker variables; a rejected push leaves that state unchanged. A
+    dense push sends one tensor per ``ps`` task (the concatenated gradients
+    of the variables it owns).
     """
     compressor = strategy.compression
     iterations = optimizer.iterations.value
@@ -363,9 +380,29 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         accepted = tf.reduce_all(checks)
         return tf.cond(accepted, lambda: apply(grads, steps), reject)
 
+    def batched(grads):
+        """``grads`` as their ``ps`` tasks receive them: one tensor per task
+        (and dtype) crosses the wire, split there into each variable's
+        gradient (a transfer per variable costs more than its bytes)."""
+        groups = {}
+        for i, v in enumerate(trainable):
+            if home(v) is not None:
+                groups.setdefault((home(v), grads[i].dtype), []).append(i)
+        grads = list(grads)
+        for (device, _), indices in groups.items():
+            if len(indices) < 2:
+                continue
+            flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], 0)
+            with tf.device(device):
+                parts = tf.split(flat, [grads[i].shape.num_elements() for i in indices])
+                for i, part in zip(indices, parts):
+                    grads[i] = tf.reshape(part, grads[i].shape)
+        return grads
+
     if compressor is None:
         def push(accum, state, step, steps):
-            return checked_apply(accum, steps), state, tf.constant(param_bytes, tf.int64)
+            accepted = checked_apply(batched(accum), steps)
+            return accepted, state, tf.constant(param_bytes, tf.int64)
 
         return push, []
 

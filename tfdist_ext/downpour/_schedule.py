@@ -9,9 +9,12 @@ waits for the epoch's rounds. It then runs Keras's own ``fit`` loop
 unchanged (progress bar, callbacks, validation, checkpoints). For every other
 model ``fit`` is Keras's, untouched.
 
-Each call of the train function counts steps; every ``round_steps`` steps it
-schedules one round (``_round.py``) on whichever worker is free
-(``ClusterCoordinator``). At each epoch's end, with no round in flight,
+Each call of the train function counts steps; every :func:`dispatch_steps`
+steps it schedules one round (``_round.py``) on whichever worker is free
+(``ClusterCoordinator``). As Keras's ``steps_per_execution`` does, one
+dispatch runs many steps: the coordinator's per-call cost (about 20 ms on
+loopback, several times a step's compute) is paid once per round, not once
+per step. At each epoch's end, with no round in flight,
 ``optimizer.iterations`` is set to the exact number of training steps whose
 gradients the server applied (concurrent pushes may overlap in Keras's own
 read-then-write increment during the epoch).
@@ -30,11 +33,15 @@ from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
 
 
+# Steps per scheduled round when the model's ``steps_per_execution`` is 1.
+DISPATCH_STEPS = 50
+
+
 def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     """``model.fit(*args, **kwargs)`` under ``strategy`` (Keras's loop, Downpour's step)."""
     _check_custom_train_step(model, strategy)
     _adopt_optimizer(model, strategy)
-    train_function = TrainFunction(model, strategy, runtime)
+    train_function = TrainFunction(model, strategy, runtime, _epoch_steps(args, kwargs))
     model.train_function = train_function
     try:
         return keras_fit(model, *args, **kwargs)
@@ -52,6 +59,37 @@ def epoch_logs(model, logs, keras_epoch_logs):
     if isinstance(train_function, TrainFunction) and train_function.steps_since_finish:
         return train_function.finish_epoch()
     return keras_epoch_logs(model, logs)
+
+
+def dispatch_steps(model, strategy, epoch_steps=None):
+    """Local steps per scheduled round (one coordinator dispatch).
+
+    The model's ``steps_per_execution`` when it is above 1; otherwise about
+    ``DISPATCH_STEPS``, but no more than an epoch's share of one worker (so
+    that every worker gets rounds of a short epoch). Always a multiple of
+    ``strategy.round_steps``, so rounds end where a fetch and a push are due.
+    """
+    steps = model.steps_per_execution
+    if steps == 1:
+        steps = DISPATCH_STEPS
+        if epoch_steps:
+            steps = min(steps, -(-epoch_steps // strategy.num_workers))
+    lcm = strategy.round_steps
+    return max(1, -(-steps // lcm)) * lcm
+
+
+def _epoch_steps(args, kwargs):
+    """Batches per epoch of a ``fit(*args, **kwargs)`` call, if known before it starts."""
+    if kwargs.get("steps_per_epoch"):
+        return int(kwargs["steps_per_epoch"])
+    x = kwargs.get("x", args[0] if args else None)
+    if isinstance(x, tf.data.Dataset):
+        cardinality = int(x.cardinality())
+        return cardinality if cardinality > 0 else None
+    if hasattr(x, "shape") and len(x.shape):
+        batch_size = kwargs.get("batch_size") or 32
+        return -(-int(x.shape[0]) // batch_size)
+    return None
 
 
 def _check_custom_train_step(model, strategy):
@@ -84,10 +122,12 @@ def _adopt_optimizer(model, strategy):
 class TrainFunction:
     """``model.train_function`` under Downpour: schedules rounds, returns logs."""
 
-    def __init__(self, model, strategy, runtime):
+    def __init__(self, model, strategy, runtime, epoch_steps=None):
         self.model = model
         self.strategy = strategy
         self.runtime = runtime
+        self.epoch_steps = epoch_steps
+        self.round_size = dispatch_steps(model, strategy, epoch_steps)
         self.coordinator = strategy.coordinator
         self._round = None
         self._current = None
@@ -125,18 +165,14 @@ class TrainFunction:
                 self._wait(lambda: not self._inflight)
             else:
                 self._pending += 1
-                if self._pending == self.strategy.round_steps:
+                if self._pending == self.round_size:
                     self._schedule(self._pending)
         self._collect()
         if self.strategy.stats.steps == self._epoch_base["steps"]:
             # Nothing of this epoch has finished yet: wait for its first
             # round so that callbacks never see the reset metrics' zeros.
             if self._pending and not self._inflight:
-                # Schedule the whole round now; its later steps are counted
-                # off as Keras calls for them.
-                self._ahead = self.strategy.round_steps - self._pending
-                self._scheduled_steps += self._ahead
-                self._schedule(self.strategy.round_steps)
+                self._schedule_ahead()
             self._wait(lambda: self.strategy.stats.steps > self._epoch_base["steps"])
             self._read_logs()
         elif time.monotonic() - self._last_read > 0.5:
@@ -163,6 +199,20 @@ class TrainFunction:
             pass
 
     # -- scheduling ----------------------------------------------------------
+
+    def _schedule_ahead(self):
+        """Schedules the epoch's first round now, a ``round_steps`` multiple
+        long (short, so that callbacks soon see this epoch's metrics; the
+        rounds after it are ``round_size`` long); its later steps are counted
+        off as Keras calls for them."""
+        lcm = self.strategy.round_steps
+        size = -(-self._pending // lcm) * lcm
+        if self.epoch_steps is not None:
+            left = self.epoch_steps - self.steps_since_finish + self._pending
+            size = max(self._pending, min(size, left))
+        self._ahead = size - self._pending
+        self._scheduled_steps += self._ahead
+        self._schedule(size)
 
     def _schedule(self, steps):
         self._pending = 0

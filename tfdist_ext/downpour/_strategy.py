@@ -62,6 +62,14 @@ class DownpourStrategy(ParameterServerBase):
     ``rejected_pushes`` without a warning, as Keras skips it silently) and
     doubles it after ``dynamic_growth_steps`` accepted ones.
 
+    Each dispatch to a worker runs a round of many local steps, as Keras's
+    ``steps_per_execution`` does: the model's ``compile(steps_per_execution=k)``
+    when ``k > 1``, otherwise about 50 steps (at most an epoch's share per
+    worker), rounded up to a multiple of ``round_steps``. Callbacks still see
+    every call Keras makes; the logs they get are those of the rounds
+    finished so far (exact at each epoch's end). A round accumulates the
+    metrics locally and adds them to the model's metric variables at its end.
+
     Dispatch, worker-failure handling and variable placement are TensorFlow's
     own: the strategy extends ``ParameterServerStrategy`` and schedules each
     round of local steps with ``ClusterCoordinator``. A killed worker loses
@@ -160,7 +168,7 @@ class DownpourStrategy(ParameterServerBase):
 
     @property
     def round_steps(self):
-        """Local steps per scheduled round: ``lcm(n_fetch, n_push)``."""
+        """``lcm(n_fetch, n_push)``: every scheduled round is a multiple of it long."""
         return math.lcm(self.n_fetch, self.n_push)
 
     @property

@@ -1,0 +1,105 @@
+"""How many steps one Downpour dispatch runs, and what a push sends (issue 13).
+
+A round (one ``ClusterCoordinator`` dispatch) runs many local steps, as
+Keras's ``steps_per_execution`` does: the model's ``steps_per_execution``
+when set, about 50 otherwise (an epoch's share per worker at most), always a
+multiple of ``lcm(n_fetch, n_push)``. Fetch, push and step counts stay those
+of ``n_fetch``/``n_push``. Each test runs its body in a fresh interpreter.
+"""
+
+import pytest
+
+from tests.test_downpour import PRELUDE
+from tests.test_downpour import _result
+
+COUNT_ROUNDS = """
+def count_rounds(strategy):
+    # Counts the coordinator's dispatches of Downpour rounds.
+    schedule = strategy.coordinator.schedule
+    sizes = []
+    def counting(fn, args=None, kwargs=None):
+        if args and len(args) == 3:
+            sizes.append(int(args[2]))
+        return schedule(fn, args=args, kwargs=kwargs)
+    strategy.coordinator.schedule = counting
+    return sizes
+"""
+
+
+@pytest.mark.timeout(300)
+def test_one_dispatch_runs_many_steps_with_n_fetch_n_push_kept(script):
+    proc = script(PRELUDE + COUNT_ROUNDS + """
+keras.utils.set_random_seed(0)
+out = {}
+with LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+    sizes = count_rounds(strategy)
+    for name, n, spe in (("default-n1", 1, 1), ("default-n3", 3, 1), ("spe10-n1", 1, 10),
+                         ("spe4-n3", 3, 4)):
+        strategy.n_fetch = strategy.n_push = n
+        strategy.stats.reset()
+        del sizes[:]
+        with strategy.scope():
+            model = mlp()
+            model.compile(optimizer=keras.optimizers.Adagrad(0.05),
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          metrics=["accuracy"], steps_per_execution=spe)
+        seen = []
+        class Batches(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                seen.append(batch)
+        h = model.fit(digits_train(), epochs=2, steps_per_epoch=120, verbose=0,
+                      callbacks=[Batches()])
+        s = strategy.stats.summary()
+        out[name] = dict(sizes=list(sizes), batches=len(seen), loss=h.history["loss"],
+                         steps=s["steps"], pushes=s["pushes"], fetches=s["fetches"],
+                         iterations=int(model.optimizer.iterations.numpy()))
+    report(**out)
+""", timeout=280)
+    r = _result(proc)
+    for name, n, spe, round_size in (("default-n1", 1, 1, 50), ("default-n3", 3, 1, 51),
+                                     ("spe10-n1", 1, 10, 10), ("spe4-n3", 3, 4, 6)):
+        run = r[name]
+        # Every step is scheduled exactly once, in rounds of round_size
+        # (each epoch's first round is short; its last takes what is left).
+        assert sum(run["sizes"]) == 240 == run["steps"] == run["iterations"], name
+        assert max(run["sizes"]) == round_size, (name, run["sizes"])
+        assert len(run["sizes"]) <= 2 * (120 // round_size + 2), (name, run["sizes"])
+        assert all(size % n == 0 for size in run["sizes"][:-1]), (name, run["sizes"])
+        # Keras's callbacks see every call, as with steps_per_execution in Keras.
+        assert run["batches"] == 240 // spe, name
+        # n_fetch and n_push hold inside the long rounds.
+        assert run["pushes"] == run["fetches"] == 240 // n, name
+        assert run["loss"][1] < run["loss"][0], name
+
+
+@pytest.mark.timeout(300)
+def test_short_epochs_give_every_worker_rounds_pushes_batched_metrics_exact(script):
+    proc = script(PRELUDE + COUNT_ROUNDS + """
+keras.utils.set_random_seed(0)
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
+    sizes = count_rounds(strategy)
+    with strategy.scope():
+        model = compile(mlp())
+    train = datasets.digits("train", flatten=True).shuffle(2048, seed=0)
+    train = train.batch(32, drop_remainder=True).repeat()
+    h = model.fit(train, epochs=3, steps_per_epoch=40, verbose=0)
+    s = strategy.stats.summary()
+    report(sizes=sizes, per_worker=strategy.stats.steps_per_worker, pushes=s["pushes"],
+           loss=h.history["loss"], splits=op_devices(strategy, "SplitV"),
+           ps=[v.value.device for v in model.trainable_variables],
+           metric_counts={m.name: float(m.variables[-1].numpy()) for m in model.metrics
+                          if m.name in ("loss",)})
+""", timeout=280)
+    r = _result(proc)
+    # An epoch of 40 steps on 2 workers: rounds of 20, so both workers train.
+    assert max(r["sizes"]) == 20 and sum(r["sizes"]) == 120, r["sizes"]
+    assert set(r["per_worker"]) == {"0", "1"}, r["per_worker"]
+    assert r["pushes"] == 60 and r["loss"][-1] < r["loss"][0]
+    # The workers' metric updates all arrive (each round adds its local
+    # totals at once): the loss is averaged over exactly the epoch's examples.
+    assert r["metric_counts"] == {"loss": 40 * 32}, r["metric_counts"]
+    # The gradients of the ps task's 4 variables cross as one tensor, split on the ps.
+    (ps,) = set(r["ps"])
+    assert set(r["splits"]) == {ps}, r["splits"]
