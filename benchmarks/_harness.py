@@ -32,13 +32,17 @@ def run_in_process(module, cfg, timeout=900, repo=None):
     repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
         [sys.executable, "-m", module, json.dumps(cfg)],
-        cwd=repo, capture_output=True, text=True, timeout=timeout,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), stdin=subprocess.DEVNULL,
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        stdin=subprocess.DEVNULL,
     )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     if not lines:
         raise RuntimeError(f"benchmark run {cfg} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def interleaved(systems, repeats, warmup=1):
@@ -57,7 +61,7 @@ def interleaved(systems, repeats, warmup=1):
             systems[name]()
     samples = {name: [] for name in names}
     for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             samples[name].append(float(systems[name]()))
     return samples
@@ -71,8 +75,12 @@ def figure(case, system, metric, unit, samples, **extra):
     """One figure: the median of ``samples`` with its unit and the raw samples."""
     samples = list(samples) if isinstance(samples, (list, tuple)) else [samples]
     out = {
-        "case": case, "system": system, "metric": metric, "unit": unit,
-        "median": median(samples), "repeats": samples,
+        "case": case,
+        "system": system,
+        "metric": metric,
+        "unit": unit,
+        "median": median(samples),
+        "repeats": samples,
     }
     out.update(extra)
     return out
@@ -111,8 +119,10 @@ def versions():
 def format_table(table):
     columns = table["columns"]
     rows = [[_fmt(v) for v in row] for row in table["rows"]]
-    widths = [max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(str(c))
-              for i, c in enumerate(columns)]
+    widths = [
+        max(len(str(c)), *(len(r[i]) for r in rows)) if rows else len(str(c))
+        for i, c in enumerate(columns)
+    ]
     line = "| " + " | ".join(str(c).ljust(w) for c, w in zip(columns, widths)) + " |"
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = ["| " + " | ".join(v.ljust(w) for v, w in zip(r, widths)) + " |" for r in rows]

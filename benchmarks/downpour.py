@@ -33,13 +33,14 @@ def _interleave(configs, repeats):
     samples = {name: [] for name in configs}
     names = list(configs)
     for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             samples[name].append(_run(dict(configs[name])))
     return samples
 
 
-def throughput(models=("mlp", "cnn"), workers=(1, 2), ns=(1, 5), steps=200, repeats=3, seed=0,
-               baseline=None):
+def throughput(
+    models=("mlp", "cnn"), workers=(1, 2), ns=(1, 5), steps=200, repeats=3, seed=0, baseline=None
+):
     """Examples/s of plain Keras (one thread) and Downpour, interleaved: ``{model: {system: [...]}}``.
 
     ``baseline``: another checkout whose Downpour runs join the same
@@ -47,12 +48,22 @@ def throughput(models=("mlp", "cnn"), workers=(1, 2), ns=(1, 5), steps=200, repe
     """
     out = {}
     for model in models:
-        configs = {"keras-1thread": dict(task="throughput", system="keras", model=model,
-                                         steps=steps, seed=seed)}
+        configs = {
+            "keras-1thread": dict(
+                task="throughput", system="keras", model=model, steps=steps, seed=seed
+            )
+        }
         for n in ns:
             for w in workers:
-                cfg = dict(task="throughput", system="downpour", workers=w, n=n, model=model,
-                           steps=steps, seed=seed)
+                cfg = dict(
+                    task="throughput",
+                    system="downpour",
+                    workers=w,
+                    n=n,
+                    model=model,
+                    steps=steps,
+                    seed=seed,
+                )
                 configs[f"downpour-{w}w-n{n}"] = cfg
                 if baseline:
                     configs[f"baseline-downpour-{w}w-n{n}"] = dict(cfg, repo=baseline)
@@ -71,13 +82,23 @@ def run(quick=False, seed=0):
     scale_rows = []
     for model, eps in throughput(steps=steps, repeats=repeats, seed=seed).items():
         for system, values in eps.items():
-            figures.append(_harness.figure(model, system, "throughput", "examples/s", values,
-                                           batch_per_worker=64, steps=steps))
+            figures.append(
+                _harness.figure(
+                    model,
+                    system,
+                    "throughput",
+                    "examples/s",
+                    values,
+                    batch_per_worker=64,
+                    steps=steps,
+                )
+            )
         for n in (1, 5):
             one = _harness.median(eps[f"downpour-1w-n{n}"])
             two = _harness.median(eps[f"downpour-2w-n{n}"])
-            scale_rows.append([f"{model}, n={n}", _harness.median(eps["keras-1thread"]), one, two,
-                               two / one])
+            scale_rows.append(
+                [f"{model}, n={n}", _harness.median(eps["keras-1thread"]), one, two, two / one]
+            )
 
     # -- time to accuracy, communication, staleness -----------------------
     budget = {"digits": 6 if quick else 20, "mnist1d": 8 if quick else 30}
@@ -85,8 +106,16 @@ def run(quick=False, seed=0):
     tta_rows = []
     comm = collections.defaultdict(dict)
     for dataset in ("mnist1d", "digits"):
-        base = dict(task="time_to_accuracy", dataset=dataset, seed=seed, hidden=256, lr=0.05,
-                    budget=budget[dataset], chunk=chunk[dataset], workers=2)
+        base = dict(
+            task="time_to_accuracy",
+            dataset=dataset,
+            seed=seed,
+            hidden=256,
+            lr=0.05,
+            budget=budget[dataset],
+            chunk=chunk[dataset],
+            workers=2,
+        )
         configs = {
             "keras": dict(base, system="keras", n=1),
             "mirrored-2": dict(base, system="mirrored", n=1),
@@ -101,18 +130,41 @@ def run(quick=False, seed=0):
             reached = [r["seconds_to_target"] for r in runs]
             hit = [t for t in reached if t is not None]
             final = [r["final_accuracy"] for r in runs]
-            figures.append(_harness.figure(dataset, system, "seconds_to_target", "s",
-                                           hit or [float("nan")], target_accuracy=target,
-                                           reached_in=f"{len(hit)}/{len(runs)}",
-                                           budget_seconds=budget[dataset],
-                                           curves=[r["curve"] for r in runs]))
-            figures.append(_harness.figure(dataset, system, "final_accuracy", "fraction", final,
-                                           budget_seconds=budget[dataset]))
+            figures.append(
+                _harness.figure(
+                    dataset,
+                    system,
+                    "seconds_to_target",
+                    "s",
+                    hit or [float("nan")],
+                    target_accuracy=target,
+                    reached_in=f"{len(hit)}/{len(runs)}",
+                    budget_seconds=budget[dataset],
+                    curves=[r["curve"] for r in runs],
+                )
+            )
+            figures.append(
+                _harness.figure(
+                    dataset,
+                    system,
+                    "final_accuracy",
+                    "fraction",
+                    final,
+                    budget_seconds=budget[dataset],
+                )
+            )
             median_hit = _harness.median(hit) if len(hit) * 2 > len(runs) else None
-            tta_rows.append([dataset, system, target,
-                             f"{median_hit:.1f}" if median_hit is not None else
-                             f"not reached ({len(hit)}/{len(runs)})",
-                             _harness.median(final)])
+            tta_rows.append(
+                [
+                    dataset,
+                    system,
+                    target,
+                    f"{median_hit:.1f}"
+                    if median_hit is not None
+                    else f"not reached ({len(hit)}/{len(runs)})",
+                    _harness.median(final),
+                ]
+            )
             if system.startswith("downpour"):
                 n = int(system.rsplit("n", 1)[1])
                 comm[n][dataset] = (
@@ -121,37 +173,74 @@ def run(quick=False, seed=0):
                 )
                 for r in runs:
                     staleness.extend(r["staleness"])
-                    figures.append({"case": dataset, "system": system, "metric": "staleness_histogram",
-                                    "unit": "pushes per staleness value",
-                                    "median": float(np.median(r["staleness"])),
-                                    "histogram": np.bincount(r["staleness"]).tolist()})
+                    figures.append(
+                        {
+                            "case": dataset,
+                            "system": system,
+                            "metric": "staleness_histogram",
+                            "unit": "pushes per staleness value",
+                            "median": float(np.median(r["staleness"])),
+                            "histogram": np.bincount(r["staleness"]).tolist(),
+                        }
+                    )
 
     comm_rows = []
     for n in sorted(comm):
         push, fetch = comm[n]["mnist1d"]
         comm_rows.append([n, push, fetch, comm[1]["mnist1d"][0] / push])
-        figures.append(_harness.figure("mnist1d", f"downpour-2w-n{n}", "push_bytes_per_step",
-                                       "bytes/step", [push]))
-        figures.append(_harness.figure("mnist1d", f"downpour-2w-n{n}", "fetch_bytes_per_step",
-                                       "bytes/step", [fetch]))
+        figures.append(
+            _harness.figure(
+                "mnist1d", f"downpour-2w-n{n}", "push_bytes_per_step", "bytes/step", [push]
+            )
+        )
+        figures.append(
+            _harness.figure(
+                "mnist1d", f"downpour-2w-n{n}", "fetch_bytes_per_step", "bytes/step", [fetch]
+            )
+        )
     hist = np.bincount(staleness) if staleness else np.zeros(1, int)
     stale_row = ", ".join(f"{k}: {v}" for k, v in enumerate(hist.tolist()) if v)
 
     rows = []
-    rows.append(["**throughput (ex/s)**", "keras 1 thread", "downpour 1 worker", "downpour 2 workers",
-                 "2w / 1w"])
+    rows.append(
+        [
+            "**throughput (ex/s)**",
+            "keras 1 thread",
+            "downpour 1 worker",
+            "downpour 2 workers",
+            "2w / 1w",
+        ]
+    )
     rows.extend(scale_rows)
-    rows.append(["**time to accuracy**", "system", "target", "seconds to target (median)",
-                 "final accuracy in budget"])
+    rows.append(
+        [
+            "**time to accuracy**",
+            "system",
+            "target",
+            "seconds to target (median)",
+            "final accuracy in budget",
+        ]
+    )
     rows.extend(tta_rows)
-    rows.append(["**communication (MNIST-1D MLP)**", "n_fetch = n_push", "push bytes/step",
-                 "fetch bytes/step", "reduction vs n=1"])
+    rows.append(
+        [
+            "**communication (MNIST-1D MLP)**",
+            "n_fetch = n_push",
+            "push bytes/step",
+            "fetch bytes/step",
+            "reduction vs n=1",
+        ]
+    )
     rows.extend([["", *r] for r in comm_rows])
-    notes.append(f"staleness over {len(staleness)} pushes (value: count): {stale_row}; "
-                 f"mean {np.mean(staleness) if staleness else 0:.2f}, max {hist.size - 1}")
-    notes.append(f"throughput: {repeats} interleaved repeats, time to accuracy: "
-                 f"{1 if quick else 2}; seed {seed}; training-time budgets "
-                 f"{budget} s; batch 32 per replica, Adagrad(0.05), MLP 256-256")
+    notes.append(
+        f"staleness over {len(staleness)} pushes (value: count): {stale_row}; "
+        f"mean {np.mean(staleness) if staleness else 0:.2f}, max {hist.size - 1}"
+    )
+    notes.append(
+        f"throughput: {repeats} interleaved repeats, time to accuracy: "
+        f"{1 if quick else 2}; seed {seed}; training-time budgets "
+        f"{budget} s; batch 32 per replica, Adagrad(0.05), MLP 256-256"
+    )
     notes.append("2-core machine: chief, ps and workers share the two cores with each other")
     return {
         "candidate": "tfdist_ext.DownpourStrategy (asynchronous, LocalCluster on 127.0.0.1)",
@@ -179,18 +268,40 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baseline", help="another checkout to measure in the same interleaving")
     args = parser.parse_args(argv)
-    eps = throughput(models=args.models, workers=args.workers, ns=args.ns, steps=args.steps,
-                     repeats=args.repeats, seed=args.seed, baseline=args.baseline)
+    eps = throughput(
+        models=args.models,
+        workers=args.workers,
+        ns=args.ns,
+        steps=args.steps,
+        repeats=args.repeats,
+        seed=args.seed,
+        baseline=args.baseline,
+    )
     rows = []
     for model, systems in eps.items():
         keras_eps = _harness.median(systems["keras-1thread"])
         for system, values in systems.items():
-            rows.append([model, system, _harness.median(values), _harness.median(values) / keras_eps,
-                         ", ".join(f"{v:.0f}" for v in values)])
-    print(f"throughput, batch 64 per worker, {args.steps} steps, {args.repeats} interleaved "
-          f"repeats, seed {args.seed}")
-    print(_harness.format_table({"columns": ["model", "system", "examples/s (median)",
-                                             "x keras-1thread", "repeats"], "rows": rows}))
+            rows.append(
+                [
+                    model,
+                    system,
+                    _harness.median(values),
+                    _harness.median(values) / keras_eps,
+                    ", ".join(f"{v:.0f}" for v in values),
+                ]
+            )
+    print(
+        f"throughput, batch 64 per worker, {args.steps} steps, {args.repeats} interleaved "
+        f"repeats, seed {args.seed}"
+    )
+    print(
+        _harness.format_table(
+            {
+                "columns": ["model", "system", "examples/s (median)", "x keras-1thread", "repeats"],
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 

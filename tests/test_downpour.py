@@ -58,12 +58,14 @@ def op_devices(strategy, op_type):
 def _result(proc):
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.timeout(300)
 def test_fit_evaluate_predict_save_like_keras(script, tmp_path):
-    proc = script(PRELUDE + f"""
+    proc = script(
+        PRELUDE
+        + f"""
 keras.utils.set_random_seed(0)
 with LocalCluster(num_workers=2, num_ps=2) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, min_shard_bytes=8 << 10)
@@ -98,13 +100,22 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     np.testing.assert_allclose(checkpointed.predict(x_test, verbose=0), logits, rtol=1e-5, atol=1e-5)
     assert int(checkpointed.optimizer.iterations.numpy()) > 0
     print("RELOADED_OK", flush=True)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     h = r["history"]
     assert len(h["loss"]) == 3 and h["loss"][2] < h["loss"][0]
     assert h["val_accuracy"][-1] > 0.85
-    for key in ("staleness_mean", "staleness_max", "pushes", "rejected_pushes",
-                "push_bytes_per_step", "fetch_bytes_per_step", "accuracy"):
+    for key in (
+        "staleness_mean",
+        "staleness_max",
+        "pushes",
+        "rejected_pushes",
+        "push_bytes_per_step",
+        "fetch_bytes_per_step",
+        "accuracy",
+    ):
         assert len(h[key]) == 3, key
     assert all(0 <= m <= x for m, x in zip(h["staleness_mean"], h["staleness_max"]))
     assert h["pushes"] == [60.0, 60.0, 60.0] and h["rejected_pushes"] == [0.0] * 3
@@ -128,7 +139,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
 
 @pytest.mark.timeout(300)
 def test_n_fetch_n_push_cut_traffic_and_optimizers_run_on_server(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 keras.utils.set_random_seed(1)
 out = {}
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -146,7 +159,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
             fetches=s["fetches"], push=s["push_bytes_per_step"], fetch=s["fetch_bytes_per_step"],
             params=params, iterations=int(model.optimizer.iterations.numpy()))
     report(**out)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     for name, n in (("Adagrad-1", 1), ("SGD-5", 5), ("Adam-4", 4), ("SGD-2", 2)):
         run = r[name]
@@ -161,7 +176,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 @pytest.mark.timeout(300)
 def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 keras.utils.set_random_seed(0)
 marks = {}
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -185,7 +202,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
                   verbose=0, callbacks=[Chaos()])
     report(history=h.history, stats=strategy.stats.summary(), marks=marks,
            final=dict(strategy.stats.steps_per_worker))
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     assert r["marks"]["killed_alive"] is False
     # fit finished every epoch and every step with the surviving worker ...
@@ -197,7 +216,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 @pytest.mark.timeout(300)
 def test_nan_pushes_are_rejected_counted_and_reported(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 keras.utils.set_random_seed(0)
 x, y = datasets.digits("train", flatten=True, as_numpy=True)
 x = x.copy()
@@ -213,7 +234,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     finite = all(bool(np.isfinite(v.numpy()).all()) for v in model.variables)
     report(rejected=h.history["rejected_pushes"], pushes=h.history["pushes"], finite=finite,
            warnings=[str(w.message) for w in caught if "NaN" in str(w.message)])
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == 30
     assert r["finite"], "server parameters must stay finite"
@@ -222,14 +245,18 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 @pytest.mark.timeout(300)
 def test_warmstart_runs_first_steps_on_one_replica(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, warmstart_steps=25)
     with strategy.scope():
         model = compile(mlp())
     model.fit(digits_train(), epochs=1, steps_per_epoch=60, verbose=0)
     report(staleness=strategy.stats.staleness)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     staleness = _result(proc)["staleness"]
     assert len(staleness) == 60
     assert staleness[:25] == [0] * 25
@@ -241,7 +268,9 @@ def test_killed_ps_stops_with_clear_error_and_backup_resumes(script, tmp_path):
     backup = str(tmp_path / "backup")
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
         spec = json.dumps(json.dumps(cluster.cluster_spec.as_dict()))
-        chief = PRELUDE + f"""
+        chief = (
+            PRELUDE
+            + f"""
 from tensorflow.python.distribute.cluster_resolver import SimpleClusterResolver
 spec = json.loads({spec})
 resolver = SimpleClusterResolver(tf.train.ClusterSpec(spec), master=spec["chief"][0],
@@ -270,6 +299,7 @@ except Exception as e:
     report(ok=False, error=type(e).__name__, message=str(e), seconds=time.time() - start,
            losses=losses)
 """
+        )
         first = _result(script(chief, timeout=200, env={"KILL_PS": "1"}))
         assert first["ok"] is False
         assert first["error"] == "ClusterError"
@@ -298,8 +328,9 @@ def test_bad_cluster_and_arguments_fail_at_construction():
     from tfdist_ext.cluster import free_port
 
     def resolver(spec):
-        return SimpleClusterResolver(tf.train.ClusterSpec(spec), task_type="chief", task_id=0,
-                                     rpc_layer="grpc")
+        return SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), task_type="chief", task_id=0, rpc_layer="grpc"
+        )
 
     addr = lambda: f"127.0.0.1:{free_port()}"  # noqa: E731
     with pytest.raises(ValueError, match="no 'ps' job"):
@@ -307,12 +338,15 @@ def test_bad_cluster_and_arguments_fail_at_construction():
     with pytest.raises(ValueError, match="no 'worker' job"):
         tfdist_ext.DownpourStrategy(resolver({"chief": [addr()], "ps": [addr()]}))
     good = {"chief": [addr()], "worker": [addr()], "ps": [addr()]}
-    for kwargs, message in (({"n_fetch": 0}, "n_fetch"), ({"n_push": 1.5}, "n_push"),
-                            ({"warmstart_steps": -1}, "warmstart_steps"),
-                            ({"deadline": 0}, "deadline"),
-                            ({"model_devices": "/device:CPU:0"}, "model_devices"),
-                            ({"model_devices": []}, "model_devices"),
-                            ({"compression": "zip"}, "unknown compressor")):
+    for kwargs, message in (
+        ({"n_fetch": 0}, "n_fetch"),
+        ({"n_push": 1.5}, "n_push"),
+        ({"warmstart_steps": -1}, "warmstart_steps"),
+        ({"deadline": 0}, "deadline"),
+        ({"model_devices": "/device:CPU:0"}, "model_devices"),
+        ({"model_devices": []}, "model_devices"),
+        ({"compression": "zip"}, "unknown compressor"),
+    ):
         with pytest.raises(ValueError, match=message):
             tfdist_ext.DownpourStrategy(resolver(good), **kwargs)
     # Nothing listens at these addresses: a clear error within the deadline.
@@ -322,7 +356,9 @@ def test_bad_cluster_and_arguments_fail_at_construction():
 
 @pytest.mark.timeout(300)
 def test_compressed_pushes_send_the_wire_form(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 from tfdist_ext import compression
 keras.utils.set_random_seed(0)
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
@@ -338,7 +374,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     scatters = set(op_devices(strategy, "ScatterNd"))
     report(push=h.history["push_bytes_per_step"], dense=dense, val=h.history["val_accuracy"],
            scatters=sorted(scatters))
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # TopK(0.05) sends 5% of the entries as float32 values + int32 indices.
     assert all(0.08 * r["dense"] <= p <= 0.12 * r["dense"] for p in r["push"]), r
@@ -351,7 +389,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 @pytest.mark.timeout(300)
 def test_each_replica_is_a_partitioned_model(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 keras.utils.set_random_seed(0)
 with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
     assert len(cluster.ping()["worker:0"]) == 2
@@ -379,7 +419,9 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
     report(val=h.history["val_accuracy"], plan=strategy.plan.layer_devices, matmuls=matmuls,
            variables=sorted({v.value.device for v in model.trainable_variables}),
            backward=backward)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # Each backward matmul runs on its layer's stage device (d(input) of d1 is
     # not needed: 2 per layer but d1's one).
@@ -393,15 +435,18 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
     assert set(r["plan"].values()) == {"/device:CPU:0", "/device:CPU:1"}
     assert r["plan"]["d1"] == "/device:CPU:0" and r["plan"]["d4"] == "/device:CPU:1"
     # Forward and backward matmuls of the replica run on both of its devices ...
-    assert {d for d in r["matmuls"] if d.endswith("CPU:0")} and \
-        {d for d in r["matmuls"] if d.endswith("CPU:1")}, r["matmuls"]
+    assert {d for d in r["matmuls"] if d.endswith("CPU:0")} and {
+        d for d in r["matmuls"] if d.endswith("CPU:1")
+    }, r["matmuls"]
     # ... while the parameters stay on the parameter server.
     assert r["variables"] == ["/job:ps/replica:0/task:0/device:CPU:0"]
 
 
 @pytest.mark.timeout(300)
 def test_linear_scaling_schedule_and_warmup_callback_under_downpour(script):
-    proc = script(PRELUDE + """
+    proc = script(
+        PRELUDE
+        + """
 from tfdist_ext.callbacks import LinearScalingWarmup
 from tfdist_ext.schedules import LinearScaling
 keras.utils.set_random_seed(0)
@@ -420,7 +465,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     report(loss1=h1.history["loss"], rate_at_end=float(scheduled.optimizer.learning_rate.numpy()),
            expected=float(schedule(step)), loss2=h2.history["loss"],
            rates=h2.history["learning_rate"])
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # The schedule runs on the server with the optimizer: after warm-up the
     # rate is k * base = 2 * 0.05.

@@ -28,7 +28,10 @@ def count_rounds(strategy):
 
 @pytest.mark.timeout(300)
 def test_one_dispatch_runs_many_steps_with_n_fetch_n_push_kept(script):
-    proc = script(PRELUDE + COUNT_ROUNDS + """
+    proc = script(
+        PRELUDE
+        + COUNT_ROUNDS
+        + """
 keras.utils.set_random_seed(0)
 out = {}
 with LocalCluster(num_workers=1, num_ps=1) as cluster:
@@ -55,10 +58,16 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
                          steps=s["steps"], pushes=s["pushes"], fetches=s["fetches"],
                          iterations=int(model.optimizer.iterations.numpy()))
     report(**out)
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
-    for name, n, spe, round_size in (("default-n1", 1, 1, 50), ("default-n3", 3, 1, 51),
-                                     ("spe10-n1", 1, 10, 10), ("spe4-n3", 3, 4, 6)):
+    for name, n, spe, round_size in (
+        ("default-n1", 1, 1, 50),
+        ("default-n3", 3, 1, 51),
+        ("spe10-n1", 1, 10, 10),
+        ("spe4-n3", 3, 4, 6),
+    ):
         run = r[name]
         # Every step is scheduled exactly once, in rounds of round_size
         # (each epoch's first round is short; its last takes what is left).
@@ -75,7 +84,10 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
 
 @pytest.mark.timeout(300)
 def test_short_epochs_give_every_worker_rounds_pushes_batched_metrics_exact(script):
-    proc = script(PRELUDE + COUNT_ROUNDS + """
+    proc = script(
+        PRELUDE
+        + COUNT_ROUNDS
+        + """
 keras.utils.set_random_seed(0)
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
@@ -91,7 +103,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
            ps=[v.value.device for v in model.trainable_variables],
            metric_counts={m.name: float(m.variables[-1].numpy()) for m in model.metrics
                           if m.name in ("loss",)})
-""", timeout=280)
+""",
+        timeout=280,
+    )
     r = _result(proc)
     # An epoch of 40 steps on 2 workers: rounds of 20, so both workers train.
     assert max(r["sizes"]) == 20 and sum(r["sizes"]) == 120, r["sizes"]

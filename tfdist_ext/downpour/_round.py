@@ -85,8 +85,10 @@ def build_round(model, strategy, version):
             scaled = loss_scale.scale(optimizer, loss, scale)
         with stage_gradients():  # backward ops on their stage's device (model_devices)
             grads = tape.gradient(scaled, params)
-        grads = [tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
-                 for g, p in zip(grads, params)]
+        grads = [
+            tf.zeros_like(p) if g is None else tf.convert_to_tensor(g)
+            for g, p in zip(grads, params)
+        ]
         grads = loss_scale.unscale(grads, scale)
         for v, value in zip(non_trainable, new_non_trainable):
             if value is not None:
@@ -118,8 +120,9 @@ def build_round(model, strategy, version):
         fetch, step = version_only, user_step
         metric_vars = []
 
-    push, state_vars = make_push(strategy, loss_scale.target(optimizer), trainable,
-                                 param_bytes, loss_scale)
+    push, state_vars = make_push(
+        strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale
+    )
 
     @tf.function
     def round_fn(iterator, worker, num_steps):
@@ -137,7 +140,7 @@ def build_round(model, strategy, version):
         pushes = tf.constant(0, tf.int64)
         rejected = tf.constant(0, tf.int64)
         applied = tf.constant(0, tf.int64)
-        carried = tf.constant(0, tf.int64)      # local steps in the next push
+        carried = tf.constant(0, tf.int64)  # local steps in the next push
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
         for i in tf.range(num_steps):
             if i > 0 and i % n_fetch == 0:
@@ -163,8 +166,10 @@ def build_round(model, strategy, version):
         # carries over to this worker's next round. PerWorkerVariables get
         # no automatic control dependencies: tie the writes to the outputs.
         saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
-        saved += [v.value.assign_add(new - old)
-                  for v, new, old in zip(metric_vars, metric_values, metrics_start)]
+        saved += [
+            v.value.assign_add(new - old)
+            for v, new, old in zip(metric_vars, metric_values, metrics_start)
+        ]
         with tf.control_dependencies(saved):
             steps = tf.identity(steps)
         return {
@@ -234,7 +239,8 @@ class GradientCollector:
             raise ValueError(
                 f"DownpourStrategy: {name}.train_step applied an optimizer other than "
                 "the model's compiled one; Downpour applies model.optimizer on the "
-                "parameter servers: call self.optimizer.apply_gradients(...)")
+                "parameter servers: call self.optimizer.apply_gradients(...)"
+            )
         scale = None
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             scale = tf.convert_to_tensor(optimizer.dynamic_scale.value)
@@ -246,7 +252,8 @@ class GradientCollector:
             if i is None:
                 raise ValueError(
                     f"DownpourStrategy: {name}.train_step applied a gradient to "
-                    f"{getattr(v, 'path', v)!r}, which is not a trainable weight of the model")
+                    f"{getattr(v, 'path', v)!r}, which is not a trainable weight of the model"
+                )
             g = tf.convert_to_tensor(g)
             if scale is not None:
                 g = g / tf.cast(scale, g.dtype)
@@ -259,9 +266,12 @@ class GradientCollector:
             raise ValueError(
                 f"DownpourStrategy: {type(self._model).__name__}.train_step did not call "
                 "self.optimizer.apply_gradients(...) (or apply): Downpour pushes the "
-                "gradients given there, so nothing would be trained")
-        return [tf.zeros(v.shape, v.dtype) if g is None else g
-                for g, v in zip(self._grads, self._trainable)]
+                "gradients given there, so nothing would be trained"
+            )
+        return [
+            tf.zeros(v.shape, v.dtype) if g is None else g
+            for g, v in zip(self._grads, self._trainable)
+        ]
 
 
 def _built_optimizer(model, strategy):
@@ -323,9 +333,11 @@ class LossScale:
         counter = self.optimizer.step_counter.value
         scale = self.optimizer.dynamic_scale.value
         grow = tf.equal(counter.read_value(), self.optimizer.dynamic_growth_steps - 1)
-        tf.cond(grow,
-                lambda: tf.group(counter.assign(0), scale.assign(scale.read_value() * 2.0)),
-                lambda: tf.group(counter.assign_add(1)))
+        tf.cond(
+            grow,
+            lambda: tf.group(counter.assign(0), scale.assign(scale.read_value() * 2.0)),
+            lambda: tf.group(counter.assign_add(1)),
+        )
 
     def after_rejected(self):
         if self.optimizer is None:
@@ -356,7 +368,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
     def home(variable):
         value = variable.value
         if isinstance(value, _integration.ShardedVariable):
-            return None           # split: checked and decompressed on the worker
+            return None  # split: checked and decompressed on the worker
         return value.device
 
     def apply(grads, steps):
@@ -400,6 +412,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         return grads
 
     if compressor is None:
+
         def push(accum, state, step, steps):
             accepted = checked_apply(batched(accum), steps)
             return accepted, state, tf.constant(param_bytes, tf.int64)

@@ -32,7 +32,6 @@ from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
 
-
 # Steps per scheduled round when the model's ``steps_per_execution`` is 1.
 DISPATCH_STEPS = 50
 
@@ -156,7 +155,7 @@ class TrainFunction:
         for _ in range(self.model.steps_per_execution):
             self.steps_since_finish += 1
             if self._ahead:
-                self._ahead -= 1     # already scheduled by an early round
+                self._ahead -= 1  # already scheduled by an early round
                 continue
             self._scheduled_steps += 1
             if self._scheduled_steps <= self.strategy.warmstart_steps:
@@ -254,11 +253,11 @@ class TrainFunction:
                     continue
                 self._record(out)
             elif status == _integration.RemoteValueStatus.ABORTED:
-                remote.fetch()   # raises the round's error
+                remote.fetch()  # raises the round's error
             else:
                 still.append((remote, steps))
         self._inflight = still
-        if self.coordinator.done():   # raises a failed round's error, if any
+        if self.coordinator.done():  # raises a failed round's error, if any
             pass
 
     def _record(self, out):
@@ -277,8 +276,7 @@ class TrainFunction:
         )
         # Under loss scaling an overflowing push is routine: the server
         # skips it and halves the scale, silently, as Keras does.
-        if rejected and not isinstance(self.model.optimizer,
-                                       keras.optimizers.LossScaleOptimizer):
+        if rejected and not isinstance(self.model.optimizer, keras.optimizers.LossScaleOptimizer):
             warnings.warn(
                 f"DownpourStrategy: the parameter server rejected {rejected} push(es) "
                 "with NaN or Inf gradients; its parameters were left unchanged",
@@ -341,8 +339,14 @@ class TrainFunction:
             except (TypeError, ValueError):
                 logs[key] = value
         summary = self.strategy.stats.summary(since=self._epoch_base)
-        for key in ("staleness_mean", "staleness_max", "pushes", "rejected_pushes",
-                    "push_bytes_per_step", "fetch_bytes_per_step"):
+        for key in (
+            "staleness_mean",
+            "staleness_max",
+            "pushes",
+            "rejected_pushes",
+            "push_bytes_per_step",
+            "fetch_bytes_per_step",
+        ):
             logs[key] = float(summary[key])
         self._logs = logs
         self._last_read = time.monotonic()

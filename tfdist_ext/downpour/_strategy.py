@@ -133,8 +133,11 @@ class DownpourStrategy(ParameterServerBase):
             compression = compression_lib.get(compression)
         self.compression = compression
         if model_devices is not None:
-            if (isinstance(model_devices, str) or not model_devices
-                    or not all(isinstance(d, str) and d for d in model_devices)):
+            if (
+                isinstance(model_devices, str)
+                or not model_devices
+                or not all(isinstance(d, str) and d for d in model_devices)
+            ):
                 raise ValueError(
                     "DownpourStrategy: model_devices must be a non-empty list of "
                     f"device names of one worker task, got {model_devices!r}"
