@@ -35,3 +35,6 @@ def test_demo_runs_and_reports_accuracy():
     assert "held-out accuracy" in out
     assert "why Downpour is slower here" in out and "python -m benchmarks.run downpour" in out
     assert "what this shows" in out and "staleness mean" in out
+    # Quiet: neither TensorFlow's start-up notices nor Keras's shuffle warning.
+    for noise in ("absl::InitializeLog", "oneDNN custom operations", "shuffle=True"):
+        assert noise not in proc.stderr, proc.stderr[-3000:]

@@ -1,6 +1,7 @@
 """The main job (internal): ``tfdist-ext demo``.
 
-Starts a real local cluster (2 workers, 1 parameter server on 127.0.0.1),
+Starts a real local cluster (2 workers, 1 parameter server; each task in its
+own network namespace where the OS allows it, else on 127.0.0.1),
 reports each task as alive, trains an MLP on the bundled digits with Downpour
 SGD through Keras ``model.fit``, and prints its held-out accuracy next to the
 same model trained for the same number of steps in one process, then why
@@ -40,15 +41,21 @@ def main(argv=None):
         args.epochs, args.steps = 2, 40
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-    import keras
+    from tfdist_ext._stderr import TF_START_UP_NOISE
+    from tfdist_ext._stderr import native_log_without
 
-    from tfdist_ext import datasets
-    from tfdist_ext.cluster import LocalCluster
-    from tfdist_ext.downpour import DownpourStrategy
+    # This process is ours: TensorFlow's start-up notices go, as in the tasks.
+    with native_log_without(TF_START_UP_NOISE):
+        import keras
 
-    print("== local cluster: 2 workers, 1 parameter server on 127.0.0.1")
+        from tfdist_ext import datasets
+        from tfdist_ext.cluster import LocalCluster
+        from tfdist_ext.downpour import DownpourStrategy
+
     start = time.time()
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
+        network = "each task in its own network namespace" if cluster.isolated else "127.0.0.1"
+        print(f"== local cluster: 2 workers, 1 parameter server ({network})")
         for task, devices in cluster.ping().items():
             job, index = task.split(":")
             print(f"   {task:<9} alive at {cluster.address(job, int(index))}  {devices[0]}")
@@ -75,7 +82,9 @@ def main(argv=None):
         keras.utils.set_random_seed(args.seed)
         baseline_model = _model(keras)
         t0 = time.time()
-        baseline_model.fit(train, epochs=args.epochs, steps_per_epoch=args.steps, verbose=0)
+        baseline_model.fit(
+            train, epochs=args.epochs, steps_per_epoch=args.steps, shuffle=False, verbose=0
+        )
         baseline_seconds = time.time() - t0
         baseline = baseline_model.evaluate(test, verbose=0)[1]
 
@@ -90,8 +99,8 @@ def main(argv=None):
         )
         step_ms = 1000 * baseline_seconds / (args.epochs * args.steps)
         print(
-            f"   why Downpour is slower here: the ps round trips every {args.n} steps over loopback "
-            f"gRPC, 4 processes on 2 cores, for a {step_ms:.1f} ms step (and the cluster's "
+            f"   why Downpour is slower here: the ps round trips every {args.n} steps over gRPC, "
+            f"4 processes on 2 cores, for a {step_ms:.1f} ms step (and the cluster's "
             f"{startup_seconds:.1f}s start, not counted); Downpour pays off when a step's compute "
             "is large and the network link is the limit (python -m benchmarks.run downpour)."
         )

@@ -15,6 +15,13 @@ import threading
 
 _GRPC_CONTINUATION = (b":UNKNOWN:", b"This could happen")
 
+# What ``import tensorflow`` writes to file descriptor 2 whatever
+# TF_CPP_MIN_LOG_LEVEL says (before absl's logging is initialised).
+TF_START_UP_NOISE = (
+    b"WARNING: All log messages before absl::InitializeLog() is called",
+    b"oneDNN custom operations are on",
+)
+
 
 @contextlib.contextmanager
 def native_log_without(patterns):

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 
+from tfdist_ext._stderr import TF_START_UP_NOISE
 from tfdist_ext._stderr import native_log_without
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 from tfdist_ext.cluster._tf_config import TFConfigError
@@ -45,10 +46,6 @@ def _watch_parent(parent_pid, interval=0.5):
     threading.Thread(target=watch, name="parent-watchdog", daemon=True).start()
 
 
-_START_UP_NOISE = (
-    b"WARNING: All log messages before absl::InitializeLog() is called",
-    b"oneDNN custom operations are on",
-)
 _SECURITY_WARNING = (
     "tfdist-ext server: WARNING: port {port} accepts unauthenticated gRPC from anyone "
     "who can reach it on any interface, and runs any graph sent to it (file reads, "
@@ -127,7 +124,7 @@ def _serve(args):
         _watch_parent(int(parent))
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    with native_log_without(_START_UP_NOISE):
+    with native_log_without(TF_START_UP_NOISE):
         import tensorflow as tf
 
         inter_op = args.inter_op_threads or len(cluster.get("worker", ())) + 1
