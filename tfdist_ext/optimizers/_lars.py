@@ -15,13 +15,11 @@ class LARS(keras.optimizers.Optimizer):
     The paper's Algorithm 1 (also the update of the common TensorFlow/NVIDIA
     implementations with "classic" momentum). For each variable ``w`` with
     gradient ``g``, global rate ``lr`` (a float or a schedule, e.g.
-    ``tfdist_ext.schedules.LinearScaling``) and weight decay ``beta``:
+    ``tfdist_ext.schedules.LinearScaling``) and weight decay ``beta``::
 
-    ```
-    local_lr = eta * ||w|| / (||g|| + beta * ||w|| + epsilon)   (1 if ||w|| or ||g|| is 0)
-    v <- momentum * v + lr * local_lr * (g + beta * w)
-    w <- w - v
-    ```
+        local_lr = eta * ||w|| / (||g|| + beta * ||w|| + epsilon)   (1 if ||w|| or ||g|| is 0)
+        v <- momentum * v + lr * local_lr * (g + beta * w)
+        w <- w - v
 
     The weight decay is added to the gradient (it is part of the step the
     trust ratio scales, and of the momentum), not decoupled as Keras's
