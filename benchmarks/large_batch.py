@@ -154,7 +154,22 @@ def _rate(variant, cfg, k, steps_per_epoch):
     )
 
 
-def _train(data, cfg, k, variant, seed, epochs):
+def quick_config(cfg):
+    """``cfg`` for ``--quick``: a quarter of the epochs (at least 4), the same
+    schedule shrunk in proportion."""
+    epochs = max(4, cfg["epochs"] // 4)
+    f = epochs / cfg["epochs"]
+    return dict(
+        cfg,
+        epochs=epochs,
+        warmup=cfg["warmup"] * f,
+        decay=tuple(round(d * f, 2) for d in cfg["decay"]),
+    )
+
+
+def _train(data, cfg, k, variant, seed, epochs, optimizer=_sgd, weight_decay=WEIGHT_DECAY):
+    """Trains at total batch ``k * n`` with rate rule ``variant``; ``optimizer``
+    maps the rate schedule to an optimizer, ``weight_decay`` is the recipe's L2 term."""
     import keras
     import tensorflow as tf
 
@@ -165,10 +180,10 @@ def _train(data, cfg, k, variant, seed, epochs):
     steps = len(x) // batch
     keras.utils.set_random_seed(seed)
     model = build_model(x.shape[1:], cfg["width"], _ibn(cfg["n"]))
-    apply_goyal_recipe(model, weight_decay=WEIGHT_DECAY)
+    apply_goyal_recipe(model, weight_decay=weight_decay)
     cfg = dict(cfg, epochs=epochs)
     model.compile(
-        optimizer=_sgd(_rate(variant, cfg, k, steps)),
+        optimizer=optimizer(_rate(variant, cfg, k, steps)),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         steps_per_execution=STEPS_PER_EXECUTION,
@@ -460,15 +475,9 @@ def run(quick=False, seed=0):
     replicas = _replica_experiment(mirrored, seeds, replica_schedule, log)
     for name, cfg in CONFIG.items():
         data = _load(name)
-        epochs = max(4, cfg["epochs"] // 4) if quick else cfg["epochs"]
-        if quick:  # the same schedule, shrunk in proportion
-            f = epochs / cfg["epochs"]
-            cfg = dict(
-                cfg,
-                epochs=epochs,
-                warmup=cfg["warmup"] * f,
-                decay=tuple(round(d * f, 2) for d in cfg["decay"]),
-            )
+        if quick:
+            cfg = quick_config(cfg)
+        epochs = cfg["epochs"]
         runs = _grid(name, data, cfg, ks, seeds, epochs, log)
         summary[name] = {}
         for variant in VARIANTS:

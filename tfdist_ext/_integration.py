@@ -25,6 +25,11 @@ What we rely on, and why no public API does it:
   defines ``_tfdist_all_reduce_sum_gradients`` / ``_tfdist_build_optimizer``
   (:func:`install_optimizer_hooks`): the compressed strategies exchange the
   compressed form there.
+* ``Optimizer._apply_weight_decay`` / ``_use_weight_decay`` /
+  ``_get_variable_index``: ``LARS`` overrides the first (its weight decay is
+  added to the gradient, not decoupled) and asks the second which variables
+  ``exclude_from_weight_decay`` excludes; the third is how every Keras
+  optimizer finds a variable's slots (no public accessor exists).
 * ``Trainer._compute_loss``, ``_loss_tracker``, ``_compile_metrics``,
   ``Layer._call_has_training_arg``: what Keras's own ``train_step`` uses to
   compute the loss and metrics exactly as ``fit`` would.
@@ -158,6 +163,11 @@ if TFOptimizer is not None:
     _check(TFOptimizer, "_all_reduce_sum_gradients", params=("grads_and_vars",))
 _check(keras.optimizers.Optimizer, "apply", params=("grads", "trainable_variables"))
 _check(keras.optimizers.LossScaleOptimizer, "apply", params=("grads", "trainable_variables"))
+# LARS (optimizers/_lars.py) replaces Keras's decoupled weight decay by its own
+# (added to the gradient) and honours Keras's exclude_from_weight_decay.
+_check(keras.optimizers.Optimizer, "_apply_weight_decay", params=("variables",))
+_check(keras.optimizers.Optimizer, "_use_weight_decay", params=("variable",))
+_check(keras.optimizers.Optimizer, "_get_variable_index", params=("variable",))
 if global_state is not None:
     _check(global_state, "get_global_attribute")
 
