@@ -50,7 +50,7 @@ def minimize(
         ``tfdist_ext.optimizers.LBFGS`` (SciPy's defaults).
       callback: called with each iteration's record (a dict).
       verbose: 0 (silent) or 1: a line per iteration (as SciPy's ``disp``):
-        iteration, loss, max |gradient|, passes, seconds since the start;
+        iteration, loss, max abs(gradient), passes, seconds since the start;
         and a last line with the stopping message.
 
     Returns:
