@@ -196,12 +196,12 @@ def load(path):
 
 
 def _scenarios(pts):
-    """The systems to scale, one point per (model, system): every synchronous system and
-    Downpour with one shard (more shards are added with the workers, see _ps_scaled)."""
+    """The systems to scale, one point per (model, system); Downpour once per n (with the
+    first shard count measured: _ps_scaled adds shards with the workers)."""
     out = {}
     for p in pts:
-        if p["kind"] != "ps" or p["shards"] == 1:
-            out.setdefault((p["model"], p["system"]), p)
+        name = f"downpour n={p['every']}" if p["kind"] == "ps" else p["system"]
+        out.setdefault((p["model"], name), dict(p, system=name))
     return list(out.values())
 
 
@@ -404,6 +404,11 @@ def _notes(params, worst, loo):
         "Predictions keep each point's compute time per step (2-core machine, batch 64 per "
         "worker) and its payload; PS scenarios use one shard per 4 workers (at least the "
         "measured number) and the measured n_fetch = n_push.",
+        "alpha is fitted at N = 2 on this machine, so it holds every per-message cost of "
+        "TensorFlow's gRPC collectives here (launch, framing, round trip), not only wire "
+        "latency; multiplied by 2(N-1) messages in a ring it dominates at large N. A cluster "
+        "with a faster collective library (NCCL-class, alpha of microseconds) scales better "
+        "than these predictions; scale alpha in predict() to size one.",
         "Efficiency = compute-only step / predicted step (synchronous), or c/N over the system "
         "step (PS); 'relative to 8' divides by the same at 8 workers, as Goyal et al.'s 8 -> "
         "256 figure does. Goyal's figure is ResNet-50 on GPUs, where compute per step is "
