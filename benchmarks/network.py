@@ -1,0 +1,341 @@
+"""``network``: gradient exchange over rate-limited links, 2 workers, one machine.
+
+Every run is its own process (``benchmarks/_network_run.py``) on a fresh
+``LocalCluster`` whose tasks each sit in their own network namespace behind a
+``tc tbf`` link of 100 Mbit/s or 1 Gbit/s. Models: MLPs on MNIST-1D of about
+1M and 10M parameters, batch 64 per worker.
+
+* ``CompressedMultiWorkerMirroredStrategy`` (2 SPMD worker processes): dense,
+  fp16, DGC 99.9% and PowerSGD rank 2: median step time and training seconds
+  until the dense run's final held-out accuracy.
+* ``DownpourStrategy`` (2 workers, n_fetch = n_push = n, 1 or 2 ps shards):
+  examples/s and training seconds to the same target, against the synchronous
+  dense run.
+* Per row, the ideal step: compute (measured on each worker, same step
+  without communication, both workers at once) plus the bytes on the busiest
+  link (the larger direction of the veth counters of every task's namespace;
+  full duplex, so the two directions overlap) at the link rate; and
+  achieved / ideal.
+
+Per block (model x link) the dense run comes first (its final accuracy is the
+target, its training time the budget of the others); the other systems follow
+in an order rotated from block to block. Results feed ``scaling_model``.
+"""
+
+import os
+
+from benchmarks import _harness
+
+LINKS = {"100mbit": 100e6, "1gbit": 1e9}
+MODELS = {"1M": 1000, "10M": 3150}  # hidden width of the 40-H-H-10 MLP
+SYNC_METHODS = ("dense", "fp16", "dgc", "powersgd")
+BATCH = 64  # per worker
+LR, DOWNPOUR_LR = 0.05, 0.05
+MIN_BUDGET = 15.0  # training seconds every system gets at least
+DOWNPOUR_BUDGET = 40.0  # and Downpour at most (its runs are the slowest to start)
+
+
+def _plan(quick):
+    """(blocks, dense steps per model, Downpour (n, ps) per block)."""
+    if quick:
+        return [("1M", "100mbit")], {"1M": 20}, {("1M", "100mbit"): [(5, 2)]}
+    blocks = [(m, link) for m in MODELS for link in LINKS]
+    full = [(n, ps) for n in (1, 5, 20) for ps in (1, 2)]
+    downpour = {
+        ("10M", "100mbit"): full,
+        ("10M", "1gbit"): [(1, 2), (5, 1), (5, 2), (20, 2)],
+        ("1M", "100mbit"): [(5, 1), (5, 2)],
+        ("1M", "1gbit"): [(5, 2)],
+    }
+    return blocks, {"1M": 60, "10M": 20}, downpour
+
+
+def _run(cfg):
+    return _harness.run_in_process("benchmarks._network_run", cfg, timeout=1800)
+
+
+def _messages(method, hidden, n=None, ps=None):
+    """Tensors sent per worker step (what the per-message overhead multiplies).
+
+    The gather exchange sends each wire tensor of each gradient (DGC: values
+    and indices of the tensors of at least 1024 entries, plus their lengths;
+    the rest dense); PowerSGD all-reduces P and Q of each matrix and the
+    vectors whole; Downpour pushes and fetches every tensor on every shard
+    every n steps.
+    """
+    sizes = [40 * hidden, hidden, hidden * hidden, hidden, hidden * 10, 10]
+    if method in ("dense", "fp16"):
+        return len(sizes)
+    if method == "dgc":
+        return sum(3 if size >= 1024 else 1 for size in sizes)
+    if method == "powersgd":
+        return 2 * 3 + 3
+    return 2 * len(sizes) * ps / n
+
+
+def _row(link, model, cfg, out, compute):
+    rate = LINKS[link]
+    downpour = cfg["system"] == "downpour"
+    workers = 2
+    examples = BATCH if downpour else BATCH * workers
+    step = out["chunk_step_seconds"] if downpour else out["step_seconds"]
+    busiest = max(max(v) for v in out["link_bytes_per_step"].values())
+    # Downpour: one step of one worker; the two workers compute in parallel.
+    compute_per_step = compute / workers if downpour else compute
+    ideal = compute_per_step + 8 * busiest / rate
+    if downpour:
+        logical = out["push_bytes_per_step"] + out["fetch_bytes_per_step"]
+        system = f"downpour n={cfg['n']} ps={cfg['ps']}"
+    else:
+        logical = out["compressor_bytes_per_step"]
+        system = cfg["method"]
+    return {
+        "link": link,
+        "link_bps": rate,
+        "model": model,
+        "params": _params(MODELS[model]),
+        "system": system,
+        "kind": "ps" if downpour else cfg["method"],
+        "n": cfg.get("n"),
+        "ps": cfg.get("ps"),
+        "workers": workers,
+        "examples_per_step": examples,
+        "step_seconds": step,
+        "examples_per_second": examples / step,
+        "compute_seconds": compute,
+        "compress_seconds": out.get("compress_seconds_per_step"),
+        "busiest_link_bytes": busiest,
+        "logical_bytes": logical,
+        "link_bytes_per_step": out["link_bytes_per_step"],
+        "messages": _messages(cfg.get("method", "ps"), MODELS[model], cfg.get("n"), cfg.get("ps")),
+        "ideal_seconds": ideal,
+        "achieved_over_ideal": ideal / step,
+        "seconds_to_target": out["seconds_to_target"],
+        "final_accuracy": out["curve"][-1][2],
+        "steps": out["steps"],
+        "curve": out["curve"],
+    }
+
+
+def _params(hidden):
+    from benchmarks._network_run import parameters
+
+    return parameters(hidden)
+
+
+def run(quick=False, seed=0):
+    blocks, dense_steps, downpour = _plan(quick)
+    rows = []
+    for b, (model, link) in enumerate(blocks):
+        hidden, steps = MODELS[model], dense_steps[model]
+        chunk = 5 if quick or model == "10M" else 10
+        base = dict(hidden=hidden, bandwidth=link, seed=seed, lr=LR, compute_repeats=10)
+        cfg = dict(base, system="sync", method="dense", chunk=chunk, max_steps=steps)
+        out = _run(cfg)
+        dense = _row(link, model, cfg, out, out["compute_seconds"])
+        dense["seconds_to_target"] = out["curve"][-1][1]
+        target, budget = dense["final_accuracy"], max(MIN_BUDGET, dense["seconds_to_target"])
+        rows.append(dense)
+        print(
+            f"{model} {link} dense: {dense['step_seconds']:.3f}s/step acc {target:.3f}", flush=True
+        )
+        others = [
+            dict(base, system="sync", method=m, chunk=chunk, max_steps=4 * steps)
+            for m in SYNC_METHODS[1:]
+        ] + [
+            dict(
+                base,
+                system="downpour",
+                n=n,
+                ps=ps,
+                chunk=4 * chunk,
+                max_steps=8 * steps,
+                downpour_lr=DOWNPOUR_LR,
+            )
+            for n, ps in downpour[(model, link)]
+        ]
+        others = others[b % len(others) :] + others[: b % len(others)]
+        for cfg in others:
+            cap = DOWNPOUR_BUDGET if cfg["system"] == "downpour" else float("inf")
+            cfg.update(target=target, budget_seconds=min(budget, cap))
+            out = _run(cfg)
+            # Downpour's workers run the dense run's step; synchronous runs measure their own.
+            row = _row(link, model, cfg, out, out.get("compute_seconds", dense["compute_seconds"]))
+            rows.append(row)
+            print(
+                f"{model} {link} {row['system']}: {row['step_seconds']:.3f}s/step "
+                f"achieved/ideal {row['achieved_over_ideal']:.2f} "
+                f"to target {row['seconds_to_target']}",
+                flush=True,
+            )
+    for row in rows:
+        dense = next(r for r in rows if r["link"] == row["link"] and r["model"] == row["model"])
+        row["step_speedup_vs_dense"] = row["examples_per_second"] / dense["examples_per_second"]
+        row["tta_speedup_vs_dense"] = (
+            dense["seconds_to_target"] / row["seconds_to_target"]
+            if row["seconds_to_target"]
+            else None
+        )
+    plots = _plots(rows, quick)
+    return {
+        "candidate": "CompressedMultiWorkerMirroredStrategy (fp16, DGC 99.9%, PowerSGD) and "
+        "DownpourStrategy, 2 workers on rate-limited links",
+        "peer": "CompressedMultiWorkerMirroredStrategy without compression (dense synchronous "
+        "all-reduce; plain MultiWorkerMirroredStrategy cannot fit under Keras 3)",
+        "figures": _figures(rows),
+        "runs": rows,
+        "table": table(rows),
+        "plots": plots,
+        "notes": _notes(quick, seed, dense_steps),
+    }
+
+
+def _figures(rows):
+    out = []
+    for r in rows:
+        case = f"{r['model']} params, {r['link']}"
+        out.append(_harness.figure(case, r["system"], "step", "s", [r["step_seconds"]]))
+        out.append(
+            _harness.figure(case, r["system"], "achieved/ideal", "x", [r["achieved_over_ideal"]])
+        )
+    return out
+
+
+def table(rows):
+    """The README table from the rows of a ``network`` result."""
+    columns = [
+        "link",
+        "model",
+        "system",
+        "step s",
+        "examples/s",
+        "x dense (step)",
+        "compute s",
+        "busiest link MB/step",
+        "ideal s",
+        "achieved/ideal",
+        "acc. target",
+        "s to target",
+        "x dense (to target)",
+    ]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r["link"],
+                r["model"],
+                r["system"],
+                round(r["step_seconds"], 3),
+                round(r["examples_per_second"], 1),
+                round(r["step_speedup_vs_dense"], 2),
+                round(r["compute_seconds"], 3),
+                round(r["busiest_link_bytes"] / 1e6, 3),
+                round(r["ideal_seconds"], 3),
+                round(r["achieved_over_ideal"], 2),
+                round(r["final_accuracy"], 3) if r["system"] == "dense" else "",
+                round(r["seconds_to_target"], 1) if r["seconds_to_target"] else "not reached",
+                round(r["tta_speedup_vs_dense"], 2) if r.get("tta_speedup_vs_dense") else "-",
+            ]
+        )
+    return {"columns": columns, "rows": body}
+
+
+def _plots(rows, quick):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suffix = ".quick" if quick else ""
+    paths = []
+    blocks = sorted({(r["model"], r["link"]) for r in rows})
+    fig, axes = plt.subplots(1, len(blocks), figsize=(5 * len(blocks), 4.5), squeeze=False)
+    for ax, (model, link) in zip(axes[0], blocks):
+        sub = [r for r in rows if r["model"] == model and r["link"] == link]
+        names = [r["system"] for r in sub]
+        ax.barh(names, [r["step_seconds"] for r in sub], label="achieved")
+        ax.barh(names, [r["ideal_seconds"] for r in sub], alpha=0.5, label="ideal")
+        ax.set_xscale("log")
+        ax.set_xlabel("seconds per step")
+        ax.set_title(f"{model} params, {link}")
+        ax.legend()
+    fig.tight_layout()
+    paths.append(_save(fig, f"network_step{suffix}.png"))
+    fig, axes = plt.subplots(1, len(blocks), figsize=(5 * len(blocks), 4.5), squeeze=False)
+    for ax, (model, link) in zip(axes[0], blocks):
+        for r in (r for r in rows if r["model"] == model and r["link"] == link):
+            curve = r["curve"]
+            ax.plot([c[1] for c in curve], [c[2] for c in curve], marker=".", label=r["system"])
+        ax.set_xscale("log")
+        ax.set_xlabel("training seconds")
+        ax.set_ylabel("held-out accuracy")
+        ax.set_title(f"{model} params, {link}")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(_save(fig, f"network_accuracy{suffix}.png"))
+    plt.close("all")
+    return paths
+
+
+def _save(fig, name):
+    path = os.path.join(_harness.RESULTS_DIR, name)
+    os.makedirs(_harness.RESULTS_DIR, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    return os.path.relpath(path, os.path.dirname(_harness.RESULTS_DIR))
+
+
+def _notes(quick, seed, dense_steps):
+    return [
+        f"seed {seed}; MNIST-1D (4000 train, first 1000 test examples for accuracy); MLP "
+        f"40-H-H-10 with H = {MODELS} ({ {m: _params(h) for m, h in MODELS.items()} } "
+        f"parameters); batch {BATCH} per worker, 2 workers.",
+        f"Synchronous rows: SGD lr {LR} momentum 0.9 (DGC: momentum 0.9 in the compressor with "
+        "momentum correction, optimizer momentum 0, clip_norm 5, no warm-up on this short "
+        "schedule, tensors < 1024 entries dense); PowerSGD rank 2. Downpour: Adagrad "
+        f"{DOWNPOUR_LR}, each step one worker's batch of {BATCH}.",
+        f"Time to accuracy: the dense run trains {dense_steps} steps; its final held-out "
+        f"accuracy is the target and its training seconds (at least {MIN_BUDGET:.0f}; at most "
+        f"{DOWNPOUR_BUDGET:.0f} for Downpour) the budget of every other row of the block, which "
+        "evaluates every chunk and stops at the target (resolution one chunk). Evaluation "
+        "time and a first untimed warm-up fit (1 step synchronous, half a chunk Downpour; it "
+        "traces, and its steps count) are excluded.",
+        "step s: synchronous rows, the median over timed steps of the slower worker, from a "
+        "callback; Downpour rows, training seconds / steps (its rounds run asynchronously, so "
+        "per-batch callback times mean nothing), including the fit's final wait for them.",
+        "Bytes: veth counters (/proc/PID/net/dev) of every task's namespace over the timed "
+        "training (read at each evaluation), so TCP/IP, gRPC and protocol overhead count; the busiest link's "
+        "larger direction per step. Ideal step = compute + busiest-link bytes x 8 / link rate "
+        "(no overlap of compute and communication assumed; a 2-worker ring all-reduce's "
+        "2(N-1)/N factor is 1, which the all-gather exchange also sends). Downpour: compute / 2 "
+        "per system step (the two workers compute in parallel).",
+        "Downpour's veth bytes run about twice the push+fetch bytes DownpourStrategy counts "
+        "(logical_bytes in the runs); the ideal uses the veth bytes.",
+        "compute s: median of the same train step on a local copy of the model, no "
+        "communication, both workers at once (1 intra-op thread each), measured in every "
+        "synchronous run; Downpour rows use the dense run's.",
+        "Plain tf.distribute.MultiWorkerMirroredStrategy fails in model.fit under Keras 3 here "
+        "(verified: 'Attempt to convert a value (PerReplica...) with an unsupported type' "
+        "when Keras reduces the first batch), so the synchronous peer is "
+        "CompressedMultiWorkerMirroredStrategy without compression, which all-gathers the "
+        "float32 gradients.",
+        f"The machine ({os.cpu_count()} cores) is shared; one run per configuration, medians "
+        "over steps within a run.",
+    ] + (["QUICK RUN: 1M model at 100 Mbit/s only, one Downpour configuration."] if quick else [])
+
+
+def readme(path=None):
+    """The README's ``network`` table, regenerated from a result file (default: network.json)."""
+    import json
+
+    path = path or os.path.join(_harness.RESULTS_DIR, "network.json")
+    with open(path) as f:
+        result = json.load(f)
+    label = "quick run, to be replaced" if result.get("quick") else "full run"
+    head = f"({label}: `{result['command']}`, seed {result['seed']}, {result['elapsed_seconds']:.0f} s)"
+    return head + "\n\n" + _harness.format_table(table(result["runs"]))
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(readme(*sys.argv[1:]))
