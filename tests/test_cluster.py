@@ -282,10 +282,9 @@ def test_server_is_quiet_warns_and_stops_on_ctrl_c():
     try:
         line = server.stdout.readline()
         assert line.startswith(f"READY worker:0 127.0.0.1:{port}"), line
-        start = time.monotonic()
         server.send_signal(signal.SIGINT)
-        _, stderr = server.communicate(timeout=15)
-        assert time.monotonic() - start < 10
+        # A deadline, not a timing: a loaded machine may take a while.
+        _, stderr = server.communicate(timeout=60)
     finally:
         if server.poll() is None:
             server.kill()
