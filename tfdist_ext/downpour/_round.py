@@ -27,6 +27,7 @@ for accepted and rejected (non-finite) updates.
 """
 
 import contextvars
+import math
 
 import keras
 import tensorflow as tf
@@ -124,6 +125,20 @@ def build_round(model, strategy, version):
         strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale
     )
 
+    block = math.gcd(n_fetch, n_push)
+
+    def local_steps(iterator, count, params, accum, metric_values):
+        """``count`` local steps on ``params``; the gradients add to ``accum``.
+
+        Only the worker's own ops (and a user's ``train_step``) run in this
+        inner loop, so the ``ps`` tasks take no part in each step's loop
+        control: only the block loop around it reaches them.
+        """
+        for _ in tf.range(count):
+            grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
+            accum = [a + g for a, g in zip(accum, grads)]
+        return accum, metric_values
+
     @tf.function
     def round_fn(iterator, worker, num_steps):
         state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
@@ -133,34 +148,54 @@ def build_round(model, strategy, version):
         # on the ps at every step.
         metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
         metric_values = metrics_start
-        sent = tf.constant(0, tf.int64)
+        zeros = [tf.zeros(v.shape, v.dtype) for v in trainable]
         params, fetched = fetch()
-        accum = [tf.zeros(v.shape, v.dtype) for v in trainable]
+        prefetched, prefetched_version = params, fetched
+        accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
+        # A push in flight: the gradient of `outbox_steps` steps on parameters
+        # of server version `outbox_version`.
+        outbox, outbox_steps, outbox_version = zeros, tf.constant(0, tf.int64), fetched
+        sent = tf.constant(0, tf.int64)
         fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
         rejected = tf.constant(0, tf.int64)
         applied = tf.constant(0, tf.int64)
-        carried = tf.constant(0, tf.int64)  # local steps in the next push
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
-        for i in tf.range(num_steps):
-            if i > 0 and i % n_fetch == 0:
-                params, fetched = fetch()
-                fetches += 1
-            grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
-            accum = [a + g for a, g in zip(accum, grads)]
-            carried += 1
-            if (i + 1) % n_push == 0 or i + 1 == num_steps:
-                accepted, state, nbytes_sent = push(accum, state, version.read_value(), carried)
+        done = tf.constant(0, tf.int32)
+        # Blocks of gcd(n_fetch, n_push) steps. While a block computes, the
+        # previous block's push is applied on the ps, and the parameters for
+        # the next fetch point are read after it (DistBelief's background
+        # push and fetch): a replica computes without its own last push, one
+        # push of staleness that the version counter measures like any
+        # other. A last, empty block applies the round's last push, so
+        # nothing is in flight when the round ends.
+        while done < num_steps or outbox_steps > 0:
+            if outbox_steps > 0:
+                accepted, state, nbytes_sent = push(
+                    outbox, state, version.read_value(), outbox_steps
+                )
                 sent += nbytes_sent
                 if accepted:
                     before = version.assign_add(1) - 1
-                    staleness = staleness.write(staleness.size(), before - fetched)
+                    staleness = staleness.write(staleness.size(), before - outbox_version)
                     pushes += 1
-                    applied += carried
+                    applied += outbox_steps
                 else:
                     rejected += 1
-                accum = [tf.zeros_like(a) for a in accum]
-                carried = tf.constant(0, tf.int64)
+            count = tf.minimum(block, num_steps - done)
+            done += count
+            fetch_due = done % n_fetch == 0 and done < num_steps
+            if fetch_due:
+                prefetched, prefetched_version = fetch()
+                fetches += 1
+            accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
+            carried += tf.cast(count, tf.int64)
+            if fetch_due:
+                params, fetched = prefetched, prefetched_version
+            outbox_steps = tf.constant(0, tf.int64)
+            if done % n_push == 0 or done == num_steps:
+                outbox, outbox_steps, outbox_version = accum, carried, fetched
+                accum, carried = zeros, tf.constant(0, tf.int64)
         steps = tf.cast(num_steps, tf.int64)
         # Per-worker compressor state (error-feedback residuals, momenta)
         # carries over to this worker's next round. PerWorkerVariables get
