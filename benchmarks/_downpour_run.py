@@ -184,7 +184,11 @@ def profile(cfg):
 
     @tf.function
     def fetch():
-        return tf.add_n([tf.reduce_sum(tf.convert_to_tensor(v.value)) for v in trainable])
+        params = [tf.convert_to_tensor(v.value) for v in trainable]
+        if hasattr(_round, "one_transfer_per_task"):  # absent from older checkouts
+            homes = [_round.home(v) for v in trainable]
+            params = _round.one_transfer_per_task(params, homes, to_ps=False)
+        return tf.add_n([tf.reduce_sum(p) for p in params])
 
     push, _ = _round.make_push(
         strategy,

@@ -6,10 +6,16 @@ A round is a multiple of ``lcm(n_fetch, n_push)`` local steps on one worker
 steps on that copy (``keras.StatelessScope`` maps the model's variables to
 the local tensors), fetch again every ``n_fetch`` steps, and push the summed
 gradient every ``n_push`` steps through the compiled optimizer, whose update
-ops run on the ``ps`` task that owns each variable; a push sends one tensor
-per ``ps`` task. The metrics accumulate on a local copy too, added to the
-model's metric variables at the round's end. Round boundaries fall exactly
-where both a fetch and a push are due, so no state has to live on the
+ops run on the ``ps`` task that owns each variable; a push or a fetch moves
+one tensor per ``ps`` task. The steps run in blocks of ``gcd(n_fetch,
+n_push)``, an inner loop of the worker's own ops (a loop with ``ps`` ops
+in it makes every ``ps`` task take part in each of its iterations). While a
+block computes, the previous block's push is applied and the parameters for
+the next fetch point are read after it (DistBelief's background push and
+fetch; one push of staleness, measured). The metrics accumulate on a local
+copy too, added to the model's metric variables at the round's end. Round
+boundaries fall exactly where both a fetch and a push are due and the
+round's last push is applied before it ends, so no state has to live on the
 worker between rounds: a lost worker loses only its unsent gradients.
 
 A model that overrides ``train_step`` has that step run instead, on the
@@ -68,7 +74,9 @@ def build_round(model, strategy, version):
 
     def keras_fetch():
         """The local copy of the parameters and the server version it is from."""
-        return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
+        params = [tf.convert_to_tensor(v.value) for v in trainable]
+        params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
+        return params, version.read_value()
 
     def keras_step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
@@ -190,12 +198,12 @@ def build_round(model, strategy, version):
                 fetches += 1
             accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
             carried += tf.cast(count, tf.int64)
-            if fetch_due:
-                params, fetched = prefetched, prefetched_version
             outbox_steps = tf.constant(0, tf.int64)
             if done % n_push == 0 or done == num_steps:
                 outbox, outbox_steps, outbox_version = accum, carried, fetched
                 accum, carried = zeros, tf.constant(0, tf.int64)
+            if fetch_due:
+                params, fetched = prefetched, prefetched_version
         steps = tf.cast(num_steps, tf.int64)
         # Per-worker compressor state (error-feedback residuals, momenta)
         # carries over to this worker's next round. PerWorkerVariables get
@@ -400,12 +408,6 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
     compressor = strategy.compression
     iterations = optimizer.iterations.value
 
-    def home(variable):
-        value = variable.value
-        if isinstance(value, _integration.ShardedVariable):
-            return None  # split: checked and decompressed on the worker
-        return value.device
-
     def apply(grads, steps):
         # Cross-replica context: each variable's update runs on the ps task
         # that owns it (extended.update colocates). Keras counts 1; the push
@@ -427,29 +429,11 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         accepted = tf.reduce_all(checks)
         return tf.cond(accepted, lambda: apply(grads, steps), reject)
 
-    def batched(grads):
-        """``grads`` as their ``ps`` tasks receive them: one tensor per task
-        (and dtype) crosses the wire, split there into each variable's
-        gradient (a transfer per variable costs more than its bytes)."""
-        groups = {}
-        for i, v in enumerate(trainable):
-            if home(v) is not None:
-                groups.setdefault((home(v), grads[i].dtype), []).append(i)
-        grads = list(grads)
-        for (device, _), indices in groups.items():
-            if len(indices) < 2:
-                continue
-            flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], 0)
-            with tf.device(device):
-                parts = tf.split(flat, [grads[i].shape.num_elements() for i in indices])
-                for i, part in zip(indices, parts):
-                    grads[i] = tf.reshape(part, grads[i].shape)
-        return grads
-
     if compressor is None:
 
         def push(accum, state, step, steps):
-            accepted = checked_apply(batched(accum), steps)
+            grads = one_transfer_per_task(accum, [home(v) for v in trainable], to_ps=True)
+            accepted = checked_apply(grads, steps)
             return accepted, state, tf.constant(param_bytes, tf.int64)
 
         return push, []
@@ -479,6 +463,40 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
 
     return push, state_vars
+
+
+def home(variable):
+    """The ``ps`` device holding ``variable``, or ``None`` when it is split across them."""
+    value = variable.value
+    if isinstance(value, _integration.ShardedVariable):
+        return None  # split: checked and decompressed on the worker
+    return value.device
+
+
+def one_transfer_per_task(tensors, homes, to_ps):
+    """``tensors`` as they arrive after crossing between the worker and the ``ps`` tasks.
+
+    ``homes[i]`` is the ``ps`` device of ``tensors[i]`` (``None``: stays
+    as it is). The tensors of one task (and dtype) cross as one
+    concatenated tensor, split on arrival: to the ``ps`` tasks when
+    ``to_ps`` (a push), from them otherwise (a fetch). A transfer per
+    variable costs more than its bytes.
+    """
+    groups = {}
+    for i, device in enumerate(homes):
+        if device is not None:
+            groups.setdefault((device, tensors[i].dtype), []).append(i)
+    tensors = list(tensors)
+    for (device, _), indices in groups.items():
+        if len(indices) < 2:
+            continue
+        with tf.device(None if to_ps else device):
+            flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
+        with tf.device(device if to_ps else None):
+            parts = tf.split(flat, [tensors[i].shape.num_elements() for i in indices])
+            for i, part in zip(indices, parts):
+                tensors[i] = tf.reshape(part, tensors[i].shape)
+    return tensors
 
 
 def nbytes(variable):
