@@ -151,6 +151,103 @@ def throughput(cfg):
     return out
 
 
+def profile(cfg):
+    """Medians of the parts of a Downpour round (1 worker, 1 ps, MLP, batch 64).
+
+    Each part is scheduled ``repeats`` times through the coordinator and
+    timed on the chief: an empty function (the dispatch), a fetch of every
+    parameter, a push of a zero gradient with the compiled Adagrad, and
+    whole rounds of ``steps`` local steps; plus the CPU seconds each task
+    process used per step during the rounds (from ``/proc``).
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist_ext import datasets
+    from tfdist_ext.downpour import _round
+
+    strategy, cluster = _strategy(dict(cfg, system="downpour", workers=1))
+    keras.utils.set_random_seed(cfg["seed"])
+    batch, steps, repeats = 64, cfg.get("steps", 50), cfg.get("repeats", 15)
+    train = datasets.synthetic(batch * 32, input_shape=(784,), seed=cfg["seed"])
+    train = train.batch(batch).repeat()
+    with strategy.scope():
+        model = _compile(keras, _mlp(keras, 784, 512), 0.01)
+    model.fit(train, epochs=1, steps_per_epoch=2 * steps, verbose=0)  # traces the round
+    coordinator = strategy.coordinator
+    trainable = model.trainable_variables
+
+    @tf.function
+    def empty():
+        return tf.constant(0)
+
+    @tf.function
+    def fetch():
+        params = [tf.convert_to_tensor(v.value) for v in trainable]
+        if hasattr(_round, "one_transfer_per_task"):  # absent from older checkouts
+            homes = [_round.home(v) for v in trainable]
+            params = _round.one_transfer_per_task(params, homes, to_ps=False)
+        return tf.add_n([tf.reduce_sum(p) for p in params])
+
+    push, _ = _round.make_push(
+        strategy,
+        model.optimizer,
+        trainable,
+        sum(_round.nbytes(v) for v in trainable),
+        _round.LossScale(),
+    )
+
+    @tf.function
+    def push_zero():
+        accepted, _, _ = push([tf.zeros(v.shape, v.dtype) for v in trainable], [], 0, 1)
+        return accepted
+
+    runtime = strategy._runtime
+    round_fn = runtime.round_for(model)
+    iterator = runtime.per_worker_iterator(runtime._sources[-1][1])
+
+    def timed(fn, args=()):
+        out = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            coordinator.schedule(fn, args=args).fetch()
+            out.append(time.perf_counter() - start)
+        return float(np.median(out)) * 1e3
+
+    def cpu(pids):
+        total = 0.0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return total
+
+    out = {
+        "empty_ms": timed(empty),
+        "fetch_ms": timed(fetch),
+        "push_ms": timed(push_zero),
+    }
+    args = (iterator, runtime.worker_index(), tf.constant(steps, tf.int32))
+    tasks = {
+        "ps": [cluster.pid("ps", 0)],
+        "worker": [cluster.pid("worker", 0)],
+        "chief": [os.getpid()],
+    }
+    before = {k: cpu(v) for k, v in tasks.items()}
+    time.sleep(2.0)
+    out["idle_cpu_share_per_task"] = {k: (cpu(v) - before[k]) / 2.0 for k, v in tasks.items()}
+    before = {k: cpu(v) for k, v in tasks.items()}
+    start = time.perf_counter()
+    out[f"round_{steps}_ms_per_step"] = timed(round_fn, args) / steps
+    wall = time.perf_counter() - start
+    out["cpu_share_per_task"] = {k: (cpu(v) - before[k]) / wall for k, v in tasks.items()}
+    start = time.perf_counter()
+    model.fit(train, epochs=1, steps_per_epoch=4 * steps, verbose=0)
+    out["fit_ms_per_step"] = (time.perf_counter() - start) / (4 * steps) * 1e3
+    return out
+
+
 class _null:
     def __enter__(self):
         return self
@@ -166,7 +263,8 @@ def _report(out):
 def main():
     cfg = json.loads(sys.argv[1])
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    out = {"time_to_accuracy": time_to_accuracy, "throughput": throughput}[cfg["task"]](cfg)
+    tasks = {"time_to_accuracy": time_to_accuracy, "throughput": throughput, "profile": profile}
+    out = tasks[cfg["task"]](cfg)
     print("RESULT " + json.dumps(out), flush=True)
 
 

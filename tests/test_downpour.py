@@ -408,12 +408,15 @@ with LocalCluster(num_workers=2, num_ps=1, devices_per_worker=2) as cluster:
     matmuls = op_devices(strategy, "MatMul")
     backward = []  # (name, device) of the backward matmuls of the traced round
     (round_fn,) = strategy._runtime.round_functions()
+    seen = set()  # nested functions (the round's step loop) are listed by every outer graph
     def walk(graph):
         for op in graph.get_operations():
             if op.type == "MatMul" and op.name.startswith("gradient_tape/"):
                 backward.append((op.name, op.device))
-        for f in graph._functions.values():
-            walk(f.graph)
+        for name, f in graph._functions.items():
+            if name not in seen:
+                seen.add(name)
+                walk(f.graph)
     for f in round_fn._list_all_concrete_functions():
         walk(f.graph)
     report(val=h.history["val_accuracy"], plan=strategy.plan.layer_devices, matmuls=matmuls,

@@ -114,6 +114,58 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # The workers' metric updates all arrive (each round adds its local
     # totals at once): the loss is averaged over exactly the epoch's examples.
     assert r["metric_counts"] == {"loss": 40 * 32}, r["metric_counts"]
-    # The gradients of the ps task's 4 variables cross as one tensor, split on the ps.
+    # The gradients of the ps task's 4 variables cross as one tensor, split on
+    # the ps; the parameters cross back as one tensor, split on the worker.
     (ps,) = set(r["ps"])
-    assert set(r["splits"]) == {ps}, r["splits"]
+    assert set(r["splits"]) == {ps, ""}, r["splits"]
+
+
+@pytest.mark.timeout(300)
+def test_overlapped_push_and_fetch_lose_no_update_and_count_staleness(script):
+    # A block's push is applied while the next block computes, and the
+    # parameters of the next fetch point are read after that push. The loss
+    # is the mean output, so every step's bias gradient is exactly 1: the
+    # bias ends at -lr * steps only if every step's gradient is applied once.
+    proc = script(
+        PRELUDE
+        + COUNT_ROUNDS
+        + """
+keras.utils.set_random_seed(0)
+out = {}
+with LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+    sizes = count_rounds(strategy)
+    for n_fetch, n_push in ((1, 1), (2, 3), (4, 2)):
+        strategy.n_fetch, strategy.n_push = n_fetch, n_push
+        strategy.stats.reset()
+        del sizes[:]
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01),
+                          loss=lambda y, p: tf.reduce_mean(p))
+        model.fit(digits_train(), epochs=2, steps_per_epoch=50, verbose=0)
+        s = strategy.stats.summary()
+        out[f"{n_fetch},{n_push}"] = dict(
+            bias=float(model.layers[0].bias.numpy()[0]), sizes=list(sizes),
+            staleness=[int(x) for x in strategy.stats.staleness], pushes=s["pushes"],
+            fetches=s["fetches"], iterations=int(model.optimizer.iterations.numpy()))
+    report(**out)
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    for name, run in r.items():
+        n_fetch, n_push = map(int, name.split(","))
+        assert abs(run["bias"] + 0.01 * 100) < 1e-4, (name, run["bias"])
+        assert run["iterations"] == 100 == sum(run["sizes"]), name
+        assert (
+            run["pushes"]
+            == len(run["staleness"])
+            == sum(-(-size // n_push) for size in run["sizes"])
+        ), name
+        assert run["fetches"] == sum(-(-size // n_fetch) for size in run["sizes"]), name
+    # One worker, n = 1: a round's first push is fresh; every later one was
+    # computed without the replica's own previous push (still in flight).
+    staleness, sizes = r["1,1"]["staleness"], r["1,1"]["sizes"]
+    assert staleness.count(0) == len(sizes) and set(staleness) == {0, 1}, (sizes, staleness)
+    assert max(r["2,3"]["staleness"] + r["4,2"]["staleness"]) <= 2, r

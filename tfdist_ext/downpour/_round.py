@@ -6,10 +6,16 @@ A round is a multiple of ``lcm(n_fetch, n_push)`` local steps on one worker
 steps on that copy (``keras.StatelessScope`` maps the model's variables to
 the local tensors), fetch again every ``n_fetch`` steps, and push the summed
 gradient every ``n_push`` steps through the compiled optimizer, whose update
-ops run on the ``ps`` task that owns each variable; a push sends one tensor
-per ``ps`` task. The metrics accumulate on a local copy too, added to the
-model's metric variables at the round's end. Round boundaries fall exactly
-where both a fetch and a push are due, so no state has to live on the
+ops run on the ``ps`` task that owns each variable; a push or a fetch moves
+one tensor per ``ps`` task. The steps run in blocks of ``gcd(n_fetch,
+n_push)``, an inner loop of the worker's own ops (a loop with ``ps`` ops
+in it makes every ``ps`` task take part in each of its iterations). While a
+block computes, the previous block's push is applied and the parameters for
+the next fetch point are read after it (DistBelief's background push and
+fetch; one push of staleness, measured). The metrics accumulate on a local
+copy too, added to the model's metric variables at the round's end. Round
+boundaries fall exactly where both a fetch and a push are due and the
+round's last push is applied before it ends, so no state has to live on the
 worker between rounds: a lost worker loses only its unsent gradients.
 
 A model that overrides ``train_step`` has that step run instead, on the
@@ -27,6 +33,7 @@ for accepted and rejected (non-finite) updates.
 """
 
 import contextvars
+import math
 
 import keras
 import tensorflow as tf
@@ -67,7 +74,9 @@ def build_round(model, strategy, version):
 
     def keras_fetch():
         """The local copy of the parameters and the server version it is from."""
-        return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
+        params = [tf.convert_to_tensor(v.value) for v in trainable]
+        params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
+        return params, version.read_value()
 
     def keras_step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
@@ -124,6 +133,20 @@ def build_round(model, strategy, version):
         strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale
     )
 
+    block = math.gcd(n_fetch, n_push)
+
+    def local_steps(iterator, count, params, accum, metric_values):
+        """``count`` local steps on ``params``; the gradients add to ``accum``.
+
+        Only the worker's own ops (and a user's ``train_step``) run in this
+        inner loop, so the ``ps`` tasks take no part in each step's loop
+        control: only the block loop around it reaches them.
+        """
+        for _ in tf.range(count):
+            grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
+            accum = [a + g for a, g in zip(accum, grads)]
+        return accum, metric_values
+
     @tf.function
     def round_fn(iterator, worker, num_steps):
         state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
@@ -133,34 +156,54 @@ def build_round(model, strategy, version):
         # on the ps at every step.
         metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
         metric_values = metrics_start
-        sent = tf.constant(0, tf.int64)
+        zeros = [tf.zeros(v.shape, v.dtype) for v in trainable]
         params, fetched = fetch()
-        accum = [tf.zeros(v.shape, v.dtype) for v in trainable]
+        prefetched, prefetched_version = params, fetched
+        accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
+        # A push in flight: the gradient of `outbox_steps` steps on parameters
+        # of server version `outbox_version`.
+        outbox, outbox_steps, outbox_version = zeros, tf.constant(0, tf.int64), fetched
+        sent = tf.constant(0, tf.int64)
         fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
         rejected = tf.constant(0, tf.int64)
         applied = tf.constant(0, tf.int64)
-        carried = tf.constant(0, tf.int64)  # local steps in the next push
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
-        for i in tf.range(num_steps):
-            if i > 0 and i % n_fetch == 0:
-                params, fetched = fetch()
-                fetches += 1
-            grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
-            accum = [a + g for a, g in zip(accum, grads)]
-            carried += 1
-            if (i + 1) % n_push == 0 or i + 1 == num_steps:
-                accepted, state, nbytes_sent = push(accum, state, version.read_value(), carried)
+        done = tf.constant(0, tf.int32)
+        # Blocks of gcd(n_fetch, n_push) steps. While a block computes, the
+        # previous block's push is applied on the ps, and the parameters for
+        # the next fetch point are read after it (DistBelief's background
+        # push and fetch): a replica computes without its own last push, one
+        # push of staleness that the version counter measures like any
+        # other. A last, empty block applies the round's last push, so
+        # nothing is in flight when the round ends.
+        while done < num_steps or outbox_steps > 0:
+            if outbox_steps > 0:
+                accepted, state, nbytes_sent = push(
+                    outbox, state, version.read_value(), outbox_steps
+                )
                 sent += nbytes_sent
                 if accepted:
                     before = version.assign_add(1) - 1
-                    staleness = staleness.write(staleness.size(), before - fetched)
+                    staleness = staleness.write(staleness.size(), before - outbox_version)
                     pushes += 1
-                    applied += carried
+                    applied += outbox_steps
                 else:
                     rejected += 1
-                accum = [tf.zeros_like(a) for a in accum]
-                carried = tf.constant(0, tf.int64)
+            count = tf.minimum(block, num_steps - done)
+            done += count
+            fetch_due = done % n_fetch == 0 and done < num_steps
+            if fetch_due:
+                prefetched, prefetched_version = fetch()
+                fetches += 1
+            accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
+            carried += tf.cast(count, tf.int64)
+            outbox_steps = tf.constant(0, tf.int64)
+            if done % n_push == 0 or done == num_steps:
+                outbox, outbox_steps, outbox_version = accum, carried, fetched
+                accum, carried = zeros, tf.constant(0, tf.int64)
+            if fetch_due:
+                params, fetched = prefetched, prefetched_version
         steps = tf.cast(num_steps, tf.int64)
         # Per-worker compressor state (error-feedback residuals, momenta)
         # carries over to this worker's next round. PerWorkerVariables get
@@ -365,12 +408,6 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
     compressor = strategy.compression
     iterations = optimizer.iterations.value
 
-    def home(variable):
-        value = variable.value
-        if isinstance(value, _integration.ShardedVariable):
-            return None  # split: checked and decompressed on the worker
-        return value.device
-
     def apply(grads, steps):
         # Cross-replica context: each variable's update runs on the ps task
         # that owns it (extended.update colocates). Keras counts 1; the push
@@ -392,29 +429,11 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         accepted = tf.reduce_all(checks)
         return tf.cond(accepted, lambda: apply(grads, steps), reject)
 
-    def batched(grads):
-        """``grads`` as their ``ps`` tasks receive them: one tensor per task
-        (and dtype) crosses the wire, split there into each variable's
-        gradient (a transfer per variable costs more than its bytes)."""
-        groups = {}
-        for i, v in enumerate(trainable):
-            if home(v) is not None:
-                groups.setdefault((home(v), grads[i].dtype), []).append(i)
-        grads = list(grads)
-        for (device, _), indices in groups.items():
-            if len(indices) < 2:
-                continue
-            flat = tf.concat([tf.reshape(grads[i], [-1]) for i in indices], 0)
-            with tf.device(device):
-                parts = tf.split(flat, [grads[i].shape.num_elements() for i in indices])
-                for i, part in zip(indices, parts):
-                    grads[i] = tf.reshape(part, grads[i].shape)
-        return grads
-
     if compressor is None:
 
         def push(accum, state, step, steps):
-            accepted = checked_apply(batched(accum), steps)
+            grads = one_transfer_per_task(accum, [home(v) for v in trainable], to_ps=True)
+            accepted = checked_apply(grads, steps)
             return accepted, state, tf.constant(param_bytes, tf.int64)
 
         return push, []
@@ -444,6 +463,40 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
 
     return push, state_vars
+
+
+def home(variable):
+    """The ``ps`` device holding ``variable``, or ``None`` when it is split across them."""
+    value = variable.value
+    if isinstance(value, _integration.ShardedVariable):
+        return None  # split: checked and decompressed on the worker
+    return value.device
+
+
+def one_transfer_per_task(tensors, homes, to_ps):
+    """``tensors`` as they arrive after crossing between the worker and the ``ps`` tasks.
+
+    ``homes[i]`` is the ``ps`` device of ``tensors[i]`` (``None``: stays
+    as it is). The tensors of one task (and dtype) cross as one
+    concatenated tensor, split on arrival: to the ``ps`` tasks when
+    ``to_ps`` (a push), from them otherwise (a fetch). A transfer per
+    variable costs more than its bytes.
+    """
+    groups = {}
+    for i, device in enumerate(homes):
+        if device is not None:
+            groups.setdefault((device, tensors[i].dtype), []).append(i)
+    tensors = list(tensors)
+    for (device, _), indices in groups.items():
+        if len(indices) < 2:
+            continue
+        with tf.device(None if to_ps else device):
+            flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
+        with tf.device(device if to_ps else None):
+            parts = tf.split(flat, [tensors[i].shape.num_elements() for i in indices])
+            for i, part in zip(indices, parts):
+                tensors[i] = tf.reshape(part, tensors[i].shape)
+    return tensors
 
 
 def nbytes(variable):

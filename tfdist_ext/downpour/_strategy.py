@@ -69,6 +69,12 @@ class DownpourStrategy(ParameterServerBase):
     every call Keras makes; the logs they get are those of the rounds
     finished so far (exact at each epoch's end). A round accumulates the
     metrics locally and adds them to the model's metric variables at its end.
+    Inside a round, as DistBelief's replicas do from background threads,
+    each push is applied on the server while the replica computes its next
+    steps, and the parameters for the next fetch are read after that push:
+    a replica computes without its own latest push, one push of staleness,
+    which ``staleness_mean``/``staleness_max`` report like any other. A
+    round ends with its last push applied.
 
     Dispatch, worker-failure handling and variable placement are TensorFlow's
     own: the strategy extends ``ParameterServerStrategy`` and schedules each
