@@ -146,7 +146,7 @@ keras.utils.set_random_seed(1)
 out = {}
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
-    for n, opt in ((1, keras.optimizers.Adagrad(0.05)), (5, keras.optimizers.SGD(0.05, momentum=0.9)),
+    for n, opt in ((1, keras.optimizers.Adagrad(0.05)), (5, keras.optimizers.SGD(0.02, momentum=0.9)),
                    (4, keras.optimizers.Adam(0.005)), (2, keras.optimizers.SGD(0.1))):
         strategy.n_fetch = strategy.n_push = n
         strategy.stats.reset()
