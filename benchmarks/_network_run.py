@@ -224,6 +224,94 @@ def _compute_seconds(tf, keras, cfg, x, y, repeats):
     return statistics.median(times)
 
 
+def shapes(hidden):
+    """The trainable variables' shapes of :func:`model`."""
+    return [(40, hidden), (hidden,), (hidden, hidden), (hidden,), (hidden, 10), (10,)]
+
+
+def aggregate_seconds(method, hidden, senders=2, repeats=10, seed=0):
+    """Median seconds of ``compressor.aggregate`` over ``senders`` wires of every gradient.
+
+    What a gather-exchange worker does after the all-gather (DGC: the sparse
+    scatter-add into dense tensors), timed on its own on one thread, as the
+    strategy's clock (``compression_stats()["seconds"]``) stops before the
+    exchange. ``None`` for PowerSGD, whose clock already covers its rounds.
+    """
+    import tensorflow as tf
+
+    from tfdist_ext import compression as C
+
+    compressor, _ = _compressor(C, method, 100)
+    if method == "powersgd":
+        return None
+    compressor = compressor or C.NoCompression()
+    tf.random.set_seed(seed)
+    wires = []
+    for shape in shapes(hidden):
+        state = compressor.init(shape, tf.float32)
+        clock = {"epoch": 0} if compressor.follows_epochs else {}
+        wires.append(
+            [
+                compressor.compress(tf.random.normal(shape), state, 1, **clock)[0]
+                for _ in range(senders)
+            ]
+        )
+
+    @tf.function
+    def aggregate():
+        return [compressor.aggregate(w, shape) for w, shape in zip(wires, shapes(hidden))]
+
+    [t.numpy() for t in aggregate()]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        [t.numpy() for t in aggregate()]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def apply_seconds(hidden, repeats=10, seed=0):
+    """Median seconds of one Adagrad update of every parameter of :func:`model`, one thread.
+
+    What a parameter-server shard does per push, for all its shards together.
+    """
+    import keras
+    import tensorflow as tf
+
+    tf.random.set_seed(seed)
+    variables = [tf.Variable(tf.random.normal(shape)) for shape in shapes(hidden)]
+    grads = [tf.random.normal(shape) for shape in shapes(hidden)]
+    optimizer = keras.optimizers.Adagrad(0.05)
+    optimizer.build(variables)
+
+    @tf.function
+    def apply():
+        optimizer.apply(grads, variables)
+
+    apply()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        apply()
+        variables[0].numpy()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def local_costs(method, hidden):
+    """The local per-step costs the scaling model needs beside compute (see ``scaling_model``).
+
+    ``aggregate_seconds``: {senders: seconds} of :func:`aggregate_seconds` at 2
+    and 8 senders (gather exchanges); ``apply_seconds``: :func:`apply_seconds`
+    (Downpour).
+    """
+    if method == "ps":
+        return {"apply_seconds": apply_seconds(hidden)}
+    if method == "powersgd":
+        return {"aggregate_seconds": None}
+    return {"aggregate_seconds": {str(k): aggregate_seconds(method, hidden, k) for k in (2, 8)}}
+
+
 def worker(cfg):
     import keras
     import tensorflow as tf
@@ -237,6 +325,7 @@ def worker(cfg):
     compressor, momentum = _compressor(C, cfg["method"], steps_per_epoch)
     strategy = C.CompressedMultiWorkerMirroredStrategy(compression=compressor)
     compute = _compute_seconds(tf, keras, cfg, x, y, cfg["compute_repeats"])
+    costs = local_costs(cfg["method"], cfg["hidden"])
     keras.utils.set_random_seed(cfg["seed"])
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -264,6 +353,7 @@ def worker(cfg):
     )
     _summarise(out, out.pop("chunks"))
     out["compute_seconds"] = compute
+    out.update(costs)
     stats = strategy.compression_stats()
     out["compressor_bytes_per_step"] = stats["wire_bytes"] / max(1, stats["steps"])
     out["compress_seconds_per_step"] = stats["seconds"] / max(1, stats["steps"])
@@ -339,6 +429,7 @@ def downpour(cfg):
             keras, net, train_data, cfg, lambda: _accuracy(net, xt, yt), counters, cfg["chunk"] // 2
         )
         _summarise(out, out.pop("chunks"))
+        out.update(local_costs("ps", cfg["hidden"]))
         summary = strategy.stats.summary()
         out.update(
             push_bytes_per_step=summary["push_bytes_per_step"],

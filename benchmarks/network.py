@@ -104,6 +104,9 @@ def _row(link, model, cfg, out, compute):
         "examples_per_second": examples / step,
         "compute_seconds": compute,
         "compress_seconds": out.get("compress_seconds_per_step"),
+        # Local costs for scaling_model (absent from results before they were recorded).
+        "aggregate_seconds": out.get("aggregate_seconds"),
+        "apply_seconds": out.get("apply_seconds"),
         "busiest_link_bytes": busiest,
         "logical_bytes": logical,
         "link_bytes_per_step": out["link_bytes_per_step"],

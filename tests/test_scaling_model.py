@@ -8,30 +8,65 @@ import pytest
 from benchmarks import _harness
 from benchmarks import scaling_model as M
 
+pytestmark = pytest.mark.timeout(60)
+
 
 def test_ring_allreduce_by_hand():
-    # 0.1 s compute + 2(N-1) m alpha = 2*3*2*1e-4 + 2(N-1)/N * 8 S / B = 1.5 * 8e6 / 1e9
-    seconds = M.ring_allreduce_seconds(0.1, 1e6, 4, 1e9, alpha=1e-4, beta=1.0, messages=2)
-    assert seconds == pytest.approx(0.1 + 0.0012 + 0.012)
+    # c + m (o + 2(N-1) alpha_hop) + beta 2(N-1)/N 8 S / B, N = 4, m = 2:
+    # 0.1 + 2 (1e-3 + 6 * 1e-5) + 1.5 * 8e6 / 1e9
+    seconds = M.ring_allreduce_seconds(
+        0.1, 1e6, 4, 1e9, o=1e-3, beta=1.0, messages=2, alpha_hop=1e-5
+    )
+    assert seconds == pytest.approx(0.1 + 2 * (1e-3 + 6e-5) + 0.012)
     # Two workers: the ring sends the payload once.
-    assert M.ring_allreduce_seconds(0, 1e6, 2, 8e6, 0, 1.0, 1) == pytest.approx(1.0)
+    assert M.ring_allreduce_seconds(0, 1e6, 2, 8e6, 0, 1.0, 1, 0.0) == pytest.approx(1.0)
 
 
-def test_allgather_grows_with_workers():
+def test_overhead_o_does_not_grow_with_workers():
+    # Growth from 2 to 64 workers is the same whatever o: only alpha_hop and bytes grow.
+    def growth(o):
+        at = [M.ring_allreduce_seconds(0.01, 1e6, n, 1e9, o, 1.2, 6, 2e-5) for n in (2, 64)]
+        return at[1] - at[0]
+
+    assert growth(0.0) == pytest.approx(growth(5e-3))
+    assert growth(0.0) == pytest.approx(6 * 2 * 62 * 2e-5 + 1.2 * 8e6 / 1e9 * (126 / 64 - 1))
+    # The per-hop latency does grow with the ring: 2(N-1) hops per message.
+    assert M.ring_allreduce_seconds(0, 0, 8, 1e9, 0, 1, 1, 1e-5) == pytest.approx(14e-5)
+
+
+def test_allgather_bytes_grow_with_workers():
     # DGC: each worker receives the (N-1) others' 1e5 sparse bytes.
-    assert M.allgather_seconds(0.1, 1e5, 8, 1e8, 0.0, 1.0, 1) == pytest.approx(0.1 + 0.056)
-    assert M.allgather_seconds(0, 1e5, 16, 1e8, 0, 1.0, 1) == pytest.approx(15 * 8e5 / 1e8)
+    seconds = M.allgather_seconds(0.1, 1e5, 8, 1e8, 0.0, 1.0, 1, 0.0)
+    assert seconds == pytest.approx(0.1 + 0.056)
+    assert M.allgather_seconds(0, 1e5, 16, 1e8, 0, 1.0, 1, 0.0) == pytest.approx(15 * 8e5 / 1e8)
+    assert M.allgather_seconds(0, 0, 16, 1e8, 1e-3, 1.0, 3, 1e-5) == pytest.approx(
+        3 * (1e-3 + 15e-5)
+    )
 
 
-def test_parameter_server_bottleneck():
-    # 4e7 bytes of parameters, 4 workers, 100 Mbit/s, push and fetch every step.
-    kw = dict(alpha=0.0, beta=1.0, messages=0)
-    one_shard = M.ps_seconds(0.2, 4e7, 4, 1e8, **kw, shards=1, every=1)
-    assert one_shard == pytest.approx(3.2)  # the ps link: 8 * 4e7 / 1e8
-    eight = M.ps_seconds(0.2, 4e7, 4, 1e8, **kw, shards=8, every=1)
+def test_dgc_aggregation_is_linear_in_senders():
+    point = {"kind": "dgc", "aggregate": (1e-3, 4e-3)}
+    assert M.aggregate_at(point, 2) == pytest.approx(1e-3)
+    assert M.aggregate_at(point, 14) == pytest.approx(7e-3)
+    assert M.aggregate_at(dict(point, kind="dense"), 14) == pytest.approx(1e-3)  # a ring
+
+
+def test_parameter_server_queue_bottleneck():
+    # 4e7 bytes of parameters, 100 Mbit/s, push and fetch every step; link 3.2 s.
+    kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0)
+    one_shard = M.ps_seconds(0.2, 4e7, 4, 1e8, **kw, shards=1, every=1, apply=0.0)
+    assert one_shard == pytest.approx(3.2)  # the shard's link
+    eight = M.ps_seconds(0.2, 4e7, 4, 1e8, **kw, shards=8, every=1, apply=0.0)
     assert eight == pytest.approx((0.2 + 3.2) / 4)  # the workers' own links
-    every5 = M.ps_seconds(0.2, 4e7, 4, 1e8, **kw, shards=1, every=5)
+    every5 = M.ps_seconds(0.2, 4e7, 4, 1e8, **kw, shards=1, every=5, apply=0.0)
     assert every5 == pytest.approx(3.2 / 5)
+    # The shard's update and its messages count in its service demand, and cap throughput:
+    # adding workers no longer shortens the system step.
+    kw = dict(o=1e-3, beta=1.0, messages=12, alpha_hop=0.0)
+    demand = (3.2 + 0.8) / 2 + 12 / 2 * 1e-3
+    for workers in (64, 256):
+        seconds = M.ps_seconds(0.2, 4e7, workers, 1e8, **kw, shards=2, every=1, apply=0.8)
+        assert seconds == pytest.approx(demand)
 
 
 def _run_record(kind, link_bps, params, logical, step, n=None, ps=None, compute=0.05):
@@ -44,7 +79,9 @@ def _run_record(kind, link_bps, params, logical, step, n=None, ps=None, compute=
         "link_bps": link_bps,
         "workers": 2,
         "compute_seconds": compute,
-        "compress_seconds": 0.0,
+        "compress_seconds": 0.002,
+        "aggregate_seconds": None if kind in ("ps", "powersgd") else {"2": 1e-3, "8": 3e-3},
+        "apply_seconds": 0.01 if kind == "ps" else None,
         "messages": 6 if kind != "ps" else 12 * ps / n,
         "step_seconds": step,
         "examples_per_step": 64 if kind == "ps" else 128,
@@ -71,28 +108,63 @@ def _synthetic(params):
     return {"runs": runs, "quick": True}
 
 
+def test_points_add_measured_compressor_and_aggregation_time():
+    record = _run_record("dgc", 1e8, 1e6, 1e4, 1.0)
+    point = M.points({"runs": [record]})[0]
+    assert point["c"] == pytest.approx(0.05 + 0.002)  # compute + the compressor's clock
+    assert point["compute"] == pytest.approx(0.05)
+    assert point["aggregate"] == (1e-3, 3e-3)
+    # PowerSGD's clock spans its exchange rounds: only its compute counts.
+    psgd = M.points({"runs": [_run_record("powersgd", 1e8, 1e6, 1e4, 1.0)]})[0]
+    assert psgd["c"] == pytest.approx(0.05)
+
+
+def test_missing_local_costs_are_measured(monkeypatch):
+    calls = []
+
+    def measure(kind, model):
+        calls.append((kind, model))
+        if kind == "ps":
+            return {"apply_seconds": 0.5}
+        return {"aggregate_seconds": {"2": 0.1, "8": 0.2}}
+
+    dense = dict(_run_record("dense", 1e8, 1e6, 4e6, 1.0), aggregate_seconds=None)
+    ps = dict(_run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=2), apply_seconds=None)
+    for r in (dense, ps):
+        r.pop("aggregate_seconds" if r is dense else "apply_seconds")
+    pts = M.points({"runs": [dense, ps]}, measure=measure)
+    assert calls == [("dense", "1M"), ("ps", "1M")]
+    assert pts[0]["aggregate"] == (0.1, 0.2) and pts[1]["apply"] == 0.5
+
+
 def test_fit_recovers_known_parameters():
-    truth = {"collective": (2e-3, 1.3), "collective_ps": (5e-3, 2.0)}
+    truth = {"collective": (2e-3, 1.3), "parameter_server": (5e-3, 2.0)}
     params = M.fit(M.points(_synthetic(truth)))
-    for family, (alpha, beta) in truth.items():
-        assert params[family][0] == pytest.approx(alpha, rel=1e-3)
+    for family, (o, beta) in truth.items():
+        assert params[family][0] == pytest.approx(o, rel=1e-3)
         assert params[family][1] == pytest.approx(beta, rel=1e-3)
 
 
 def test_run_validates_every_point_and_plots(tmp_path, monkeypatch):
-    truth = {"collective": (1e-3, 1.2), "collective_ps": (4e-3, 1.8)}
+    truth = {"collective": (1e-3, 1.2), "parameter_server": (4e-3, 1.8)}
     (tmp_path / "network.quick.json").write_text(json.dumps(_synthetic(truth)))
     monkeypatch.setattr(_harness, "RESULTS_DIR", str(tmp_path))
     result = M.run(quick=True)
     assert len(result["validation"]) == 20
-    assert result["max_abs_error"] < 1e-3
+    assert result["max_abs_error"] < 1e-3 and result["within_15_percent"]
     assert result["max_abs_left_out_error"] < 1e-3
     assert {p["workers"] for p in result["predictions"]} == set(M.WORKERS)
+    assert {p["alpha_hop_us"] for p in result["predictions"]} == {5, 20, 50}
     assert all((tmp_path / p.split("/")[-1]).exists() for p in result["plots"])
     assert _harness.format_table(result["table"]).count("\n") == 21
+    # Downpour both with the measured shards and with one shard per 4 workers.
+    systems = {row[1] for row in result["prediction_table"]["rows"]}
+    assert {"downpour n=5 ps=2", "downpour n=5 ps=N/4"} <= systems
+    (tmp_path / "scaling_model.json").write_text(json.dumps(result))
+    text = M.readme(str(tmp_path / "scaling_model.json"))
+    assert "256/8 % at 50 us" in text and "left out %" in text
 
 
-@pytest.mark.timeout(30)
 def test_missing_results_file_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(_harness, "RESULTS_DIR", str(tmp_path))
     with pytest.raises(FileNotFoundError, match=r"network.json does not exist; run `python -m"):
@@ -113,3 +185,13 @@ def test_invalid_results_are_clear_errors(tmp_path):
     record = _run_record("ring", 1e9, 1e6, 4e6, 1.0)
     with pytest.raises(ValueError, match="run 0 has unknown kind 'ring'"):
         M.points({"runs": [record]})
+
+
+@pytest.mark.timeout(120)
+def test_local_costs_are_measured_for_each_kind():
+    from benchmarks import _network_run
+
+    dgc = _network_run.local_costs("dgc", 32)["aggregate_seconds"]
+    assert set(dgc) == {"2", "8"} and all(v > 0 for v in dgc.values())
+    assert _network_run.local_costs("powersgd", 32) == {"aggregate_seconds": None}
+    assert _network_run.local_costs("ps", 32)["apply_seconds"] > 0
