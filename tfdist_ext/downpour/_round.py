@@ -32,6 +32,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.downpour import _staleness
 
 
 def partition(model, strategy):
@@ -64,10 +65,15 @@ def build_round(model, strategy, version):
     n_fetch, n_push = strategy.n_fetch, strategy.n_push
     param_bytes = sum(nbytes(v) for v in trainable)
     nt_bytes = sum(nbytes(v) for v in non_trainable)
+    owner = _integration.overridden_step(model, "train_step")
+    # Staleness policy (the fetch and the apply) and SSP clocks: _staleness.py.
+    server = _staleness.server_side(strategy, trainable, version, owner is not None)
+    bound = strategy.clock_bound()
 
-    def keras_fetch():
+    def keras_fetch(worker):
         """The local copy of the parameters and the server version it is from."""
-        return [tf.convert_to_tensor(v.value) for v in trainable], version.read_value()
+        with tf.control_dependencies([bound.before_fetch(worker)]):
+            return server.fetch(worker), version.read_value()
 
     def keras_step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
@@ -99,7 +105,7 @@ def build_round(model, strategy, version):
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, [scope.get_current_value(v) for v in metric_vars]
 
-    def version_only():
+    def version_only(worker):
         """The user's step reads the parameters itself: only the version."""
         return [], version.read_value()
 
@@ -109,7 +115,6 @@ def build_round(model, strategy, version):
             model.train_step(data)
         return collector.gradients(), metric_values
 
-    owner = _integration.overridden_step(model, "train_step")
     if owner is None:
         fetch, step = keras_fetch, keras_step
         metric_vars = list({id(v): v for v in model.metrics_variables}.values())
@@ -121,7 +126,7 @@ def build_round(model, strategy, version):
         metric_vars = []
 
     push, state_vars = make_push(
-        strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale
+        strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale, server
     )
 
     @tf.function
@@ -134,7 +139,8 @@ def build_round(model, strategy, version):
         metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
         metric_values = metrics_start
         sent = tf.constant(0, tf.int64)
-        params, fetched = fetch()
+        with tf.control_dependencies([bound.start(worker)]):
+            params, fetched = fetch(worker)
         accum = [tf.zeros(v.shape, v.dtype) for v in trainable]
         fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
@@ -144,13 +150,15 @@ def build_round(model, strategy, version):
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
         for i in tf.range(num_steps):
             if i > 0 and i % n_fetch == 0:
-                params, fetched = fetch()
+                params, fetched = fetch(worker)
                 fetches += 1
             grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
             accum = [a + g for a, g in zip(accum, grads)]
             carried += 1
             if (i + 1) % n_push == 0 or i + 1 == num_steps:
-                accepted, state, nbytes_sent = push(accum, state, version.read_value(), carried)
+                accepted, state, nbytes_sent = push(
+                    accum, state, version.read_value(), carried, (worker, fetched)
+                )
                 sent += nbytes_sent
                 if accepted:
                     before = version.assign_add(1) - 1
@@ -170,6 +178,7 @@ def build_round(model, strategy, version):
             v.value.assign_add(new - old)
             for v, new, old in zip(metric_vars, metric_values, metrics_start)
         ]
+        saved.append(bound.stop(worker))
         with tf.control_dependencies(saved):
             steps = tf.identity(steps)
         return {
@@ -347,8 +356,8 @@ class LossScale:
         tf.group(counter.assign(0), scale.assign(scale.read_value() * 0.5))
 
 
-def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
-    """``push(accum, state, step, steps) -> (accepted, state, bytes_sent)`` and the state variables.
+def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
+    """``push(accum, state, step, steps, origin) -> (accepted, state, bytes_sent)`` and the state variables.
 
     The server checks every push: each ``ps`` task tests the gradient of the
     variables it owns for NaN/Inf, and ``optimizer`` is applied only if all
@@ -360,7 +369,9 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
     state (error-feedback residuals, DGC momenta) stays on the worker in
     per-worker variables; a rejected push leaves that state unchanged. A
     dense push sends one tensor per ``ps`` task (the concatenated gradients
-    of the variables it owns).
+    of the variables it owns). ``server`` (``_staleness.server_side``)
+    applies the optimizer, given ``origin``: the pushing worker and the
+    server version its gradients were computed from.
     """
     compressor = strategy.compression
     iterations = optimizer.iterations.value
@@ -371,11 +382,11 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
             return None  # split: checked and decompressed on the worker
         return value.device
 
-    def apply(grads, steps):
+    def apply(grads, steps, origin):
         # Cross-replica context: each variable's update runs on the ps task
         # that owns it (extended.update colocates). Keras counts 1; the push
         # carries `steps` training steps.
-        optimizer.apply_gradients(zip(grads, trainable))
+        server.apply(optimizer, grads, *origin)
         with tf.control_dependencies([iterations.assign_add(steps - 1)]):
             loss_scale.after_accepted()
             return tf.constant(True)
@@ -384,13 +395,13 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         loss_scale.after_rejected()
         return tf.constant(False)
 
-    def checked_apply(grads, steps):
+    def checked_apply(grads, steps, origin):
         checks = []
         for g, v in zip(grads, trainable):
             with tf.device(home(v)):
                 checks.append(tf.reduce_all(tf.math.is_finite(g)))
         accepted = tf.reduce_all(checks)
-        return tf.cond(accepted, lambda: apply(grads, steps), reject)
+        return tf.cond(accepted, lambda: apply(grads, steps, origin), reject)
 
     def batched(grads):
         """``grads`` as their ``ps`` tasks receive them: one tensor per task
@@ -413,8 +424,8 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
 
     if compressor is None:
 
-        def push(accum, state, step, steps):
-            accepted = checked_apply(batched(accum), steps)
+        def push(accum, state, step, steps, origin):
+            accepted = checked_apply(batched(accum), steps, origin)
             return accepted, state, tf.constant(param_bytes, tf.int64)
 
         return push, []
@@ -428,7 +439,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
             for v in trainable
         ]
 
-    def push(accum, state, step, steps):
+    def push(accum, state, step, steps, origin):
         wires, candidate = [], []
         for a, s in zip(accum, state):
             wire, s = compressor.compress(a, s, step)
@@ -438,7 +449,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         for wire, v, a in zip(wires, trainable, accum):
             with tf.device(home(v)):
                 grads.append(compressor.decompress(wire, a.shape, a.dtype))
-        accepted = checked_apply(grads, steps)
+        accepted = checked_apply(grads, steps, origin)
         if tf.nest.flatten(candidate):
             state = tf.cond(accepted, lambda: candidate, lambda: state)
         return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
