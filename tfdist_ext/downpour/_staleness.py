@@ -28,9 +28,22 @@ from tfdist_ext.cluster._local import ClusterTimeoutError
 
 _SSP_TIMEOUT = "DownpourStrategy max_staleness:"
 
+# What the round calls is written as graph code (tf.while_loop, no Python
+# control flow on tensors): autograph need not, and must not, convert it.
+_graph_code = tf.autograph.experimental.do_not_convert
+
 
 class StalenessPolicy:
-    """Base class of Downpour's staleness policies (how a stale push is applied)."""
+    """Base class of Downpour's staleness policies (how a stale push is applied).
+
+    Configuration only (``get_config``/``from_config``, compared by
+    config); what runs on the ``ps`` tasks is built per traced round.
+
+    Example:
+      >>> import tfdist_ext
+      >>> isinstance(tfdist_ext.downpour.StalenessAwareLR(), tfdist_ext.downpour.StalenessPolicy)
+      True
+    """
 
     def get_config(self):
         return {}
@@ -70,6 +83,7 @@ class StalenessAwareLR(StalenessPolicy):
     Weight decay, which Keras scales by the rate, is divided likewise.
 
     Example:
+      >>> import tfdist_ext
       >>> policy = tfdist_ext.downpour.StalenessAwareLR()
       >>> strategy = tfdist_ext.DownpourStrategy(  # doctest: +SKIP
       ...     cluster.resolver, staleness_policy=policy)
@@ -120,7 +134,10 @@ class DelayCompensation(StalenessPolicy):
         ``>= 0``; ``0`` is plain Downpour).
 
     Example:
+      >>> import tfdist_ext
       >>> policy = tfdist_ext.downpour.DelayCompensation(lam=0.04)
+      >>> policy.get_config()
+      {'lam': 0.04}
       >>> strategy = tfdist_ext.DownpourStrategy(  # doctest: +SKIP
       ...     cluster.resolver, staleness_policy=policy)
     """
@@ -196,10 +213,12 @@ class _Plain:
     def __init__(self, trainable):
         self.trainable = trainable
 
+    @_graph_code
     def fetch(self, worker):
         """The worker's local copy of the parameters."""
         return [tf.convert_to_tensor(v.value) for v in self.trainable]
 
+    @_graph_code
     def apply(self, optimizer, grads, worker, fetched):
         """Applies a push of ``grads`` computed by ``worker`` from version ``fetched``."""
         optimizer.apply_gradients(zip(grads, self.trainable))
@@ -210,6 +229,7 @@ class _StalenessScaled(_Plain):
         super().__init__(trainable)
         self.version = version
 
+    @_graph_code
     def apply(self, optimizer, grads, worker, fetched):
         factor = StalenessAwareLR.rate_factor(self.version.read_value() - fetched)
         with _integration.scaled_learning_rate(optimizer, factor):
@@ -249,6 +269,7 @@ class _DelayCompensated(_Plain):
                         )
                     )
 
+    @_graph_code
     def fetch(self, worker):
         """Copies the parameters into ``worker``'s backup (on the ps); the worker reads it."""
         index = tf.reshape(worker, [1])
@@ -260,6 +281,7 @@ class _DelayCompensated(_Plain):
                     params.append(backup.sparse_read(index)[0])
         return params
 
+    @_graph_code
     def apply(self, optimizer, grads, worker, fetched):
         index = tf.reshape(worker, [1])
         corrected = []
@@ -283,12 +305,15 @@ def clock_bound(strategy):
 class _Unbounded:
     """No bound: nothing waits, nothing is recorded."""
 
+    @_graph_code
     def start(self, worker):
         return tf.constant(0, tf.int64)
 
+    @_graph_code
     def before_fetch(self, worker):
         return tf.constant(0, tf.int64)
 
+    @_graph_code
     def stop(self, worker):
         return tf.constant(0, tf.int64)
 
@@ -351,6 +376,7 @@ class _ClockBound:
         slowest = tf.reduce_min(tf.where(live, clocks, tf.fill(tf.shape(clocks), mine)))
         return mine - slowest, live, clocks
 
+    @_graph_code
     def start(self, worker):
         """The worker enters a round: alive, active, its clock raised to the slowest other's."""
         with tf.control_dependencies([self._beat(worker)]):
@@ -368,90 +394,7 @@ class _ClockBound:
                     self._set(self.active, worker, tf.constant(1, tf.int64)).read_value()[0]
                 )
 
-    def before_fetch(self, worker):
-        return tf.constant(0, tf.int64)
-
-    def stop(self, worker):
-        return tf.constant(0, tf.int64)
-
-    def lead_histogram(self):
-        return None
-
-
-class _ClockBound:
-    """Stale synchronous parallel (Ho et al., 2013) over Downpour's fetch blocks.
-
-    A worker's clock counts the fetch blocks (``n_fetch`` local steps, each
-    starting with a fetch) it has started. Before a fetch a worker waits while
-    its clock is more than ``s`` ahead of the slowest live, active worker's,
-    then its clock advances and it reads the parameters: the fastest worker
-    is at most ``s`` blocks ahead of the slowest (``s = 0`` is bulk
-    synchronous), and it reads parameters holding every block the others
-    started up to ``s`` blocks before. The wait polls the clocks on the ``ps``
-    every millisecond. Active: inside a round (an idle worker, one the chief
-    has no round for, holds no one back, and a worker starting a round joins
-    at no less than the slowest active worker's clock). Live: it wrote its
-    heartbeat (at each fetch and while waiting) within ``lost_after`` seconds,
-    so a killed worker leaves the bound. A wait of more than
-    ``strategy.deadline`` seconds fails the round, and ``fit`` raises
-    ``ClusterTimeoutError`` naming the workers waited for. Each accepted wait
-    adds the worker's lead (its clock minus the slowest's, ``0..s``) to a
-    histogram on the ``ps`` (``strategy.stats.clock_leads``).
-    """
-
-    def __init__(self, strategy):
-        self.s = strategy.max_staleness
-        self.deadline = float(strategy.deadline)
-        self.lost_after = max(1.0, min(10.0, self.deadline / 6))
-        n = strategy.num_workers
-        with strategy.scope():
-            self.clocks = tf.Variable(tf.zeros([n], tf.int64), trainable=False, name="ssp_clocks")
-            with strategy.extended.colocate_vars_with(self.clocks):
-                self.active = tf.Variable(tf.zeros([n], tf.int64), trainable=False)
-                self.heartbeat = tf.Variable(tf.zeros([n], tf.float64), trainable=False)
-                self.leads = tf.Variable(tf.zeros([self.s + 1], tf.int64), trainable=False)
-
-    @staticmethod
-    def _set(variable, worker, value):
-        index = tf.reshape(tf.cast(worker, tf.int64), [1])
-        return variable.scatter_update(tf.IndexedSlices(tf.reshape(value, [1]), index))
-
-    def _beat(self, worker):
-        return self._set(self.heartbeat, worker, tf.timestamp())
-
-    def _state(self, worker):
-        """(this worker's lead over the slowest live active worker, live mask, clocks)."""
-        live = tf.logical_and(
-            tf.timestamp() - self.heartbeat.read_value() < self.lost_after,
-            self.active.read_value() > 0,
-        )
-        clocks = self.clocks.read_value()
-        mine = tf.gather(clocks, worker)
-        slowest = tf.reduce_min(tf.where(live, clocks, tf.fill(tf.shape(clocks), mine)))
-        return tf.minimum(mine, mine) - tf.minimum(slowest, mine), live, clocks
-
-    def start(self, worker):
-        """The worker enters a round: alive, active, its clock raised to the slowest's."""
-        with tf.control_dependencies([self._beat(worker)]):
-            lead, _, clocks = self._state(worker)
-            joined = tf.gather(clocks, worker) - tf.minimum(lead, 0)
-            live = self.clocks.read_value()
-            slowest_others = tf.reduce_min(
-                tf.where(
-                    tf.logical_and(
-                        self.active.read_value() > 0,
-                        tf.range(tf.size(live), dtype=tf.int64) != tf.cast(worker, tf.int64),
-                    ),
-                    live,
-                    tf.fill(tf.shape(live), tf.gather(live, worker)),
-                )
-            )
-            joined = tf.maximum(tf.gather(live, worker), slowest_others)
-            with tf.control_dependencies([self._set(self.clocks, worker, joined)]):
-                return tf.identity(
-                    self._set(self.active, worker, tf.constant(1, tf.int64)).read_value()[0]
-                )
-
+    @_graph_code
     def before_fetch(self, worker):
         """Waits while ``worker`` is more than ``s`` blocks ahead, then advances its clock."""
         begin = tf.timestamp()
@@ -493,6 +436,7 @@ class _ClockBound:
         with tf.control_dependencies([counted.read_value(), ticked.read_value()]):
             return tf.identity(lead)
 
+    @_graph_code
     def stop(self, worker):
         """The worker leaves its round (an idle worker holds no one back)."""
         return tf.identity(self._set(self.active, worker, tf.constant(0, tf.int64)).read_value()[0])
