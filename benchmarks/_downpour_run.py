@@ -105,6 +105,10 @@ def time_to_accuracy(cfg):
         )
     if cfg.get("warmup"):  # traced before the clock starts (and before any throttle)
         model.fit(train, epochs=1, steps_per_epoch=cfg["warmup"], verbose=0)
+        # No function may be first registered on the cluster while a worker
+        # is throttled: the registration waits for the stopped worker holding
+        # the GIL that the throttle thread needs to continue it.
+        model.evaluate(test, verbose=0)
         if strategy is not None and hasattr(strategy, "stats"):
             strategy.stats.reset()
     target = cfg.get("target", TARGETS[cfg["dataset"]])

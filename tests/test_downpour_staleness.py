@@ -38,15 +38,20 @@ def fit_and_reload(strategy, path, during=None, **fit_kwargs):
     # saved and reloaded model predicts the same. With `during` (a context,
     # e.g. a throttle): a first unmeasured fit traces the round, then the
     # measured one runs within `during`.
+    # (One dataset for both fits: a new one would register its per-worker
+    # iterator function on the throttled worker, and the chief's registration
+    # call waits for the stopped process while holding the GIL that the
+    # throttle thread needs to continue it.)
     with strategy.scope():
         model = digits_mlp()
+    train = digits_train()
     if during is not None:
-        model.fit(digits_train(), epochs=1, steps_per_epoch=20, verbose=0)
+        model.fit(train, epochs=1, steps_per_epoch=20, verbose=0)
         strategy.stats.reset()
         with during:
-            h = model.fit(digits_train(), verbose=0, **fit_kwargs)
+            h = model.fit(train, verbose=0, **fit_kwargs)
     else:
-        h = model.fit(digits_train(), verbose=0, **fit_kwargs)
+        h = model.fit(train, verbose=0, **fit_kwargs)
     x = next(iter(datasets.digits("test", flatten=True).batch(50)))[0]
     model.save(path)
     same = bool(np.allclose(keras.saving.load_model(path).predict(x, verbose=0),
@@ -320,7 +325,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     with strategy.scope():
         model = digits_mlp()
     model.steps_per_execution = 10
-    model.fit(digits_train(), epochs=1, steps_per_epoch=20, verbose=0)
+    train = digits_train()  # one dataset: see fit_and_reload
+    model.fit(train, epochs=1, steps_per_epoch=20, verbose=0)
     marks = {}
     class Kill(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
@@ -329,8 +335,7 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
                 cluster.kill("worker", 1)
     start = time.monotonic()
     with cluster.throttle("worker", 1, slowdown=4):
-        h = model.fit(digits_train(), epochs=2, steps_per_epoch=100, verbose=0,
-                      callbacks=[Kill()])
+        h = model.fit(train, epochs=2, steps_per_epoch=100, verbose=0, callbacks=[Kill()])
     report(seconds=time.monotonic() - start, loss=h.history["loss"], marks=marks,
            stats=strategy.stats.summary(), per_worker=dict(strategy.stats.steps_per_worker))
 """,
