@@ -117,6 +117,68 @@ def _mse_gradient(w, b):
     return 2 / residual.size * x.T @ residual, 2 / residual.size * residual.sum(0)
 
 
+def _overlapped_round(params, apply, n_fetch, n_push, num_steps, w_fetched="computed_from"):
+    """One worker's Downpour round in NumPy, in the order ``_round.round_fn`` documents.
+
+    Blocks of ``gcd(n_fetch, n_push)`` steps; each block first applies the
+    previous block's push (the outbox), then, if a fetch point follows the
+    block, fetches the parameters (after that push), then computes its steps
+    on the current local copy (the gradient of ``_mse_gradient`` at the local
+    copy, the same batch every step); a last, empty block applies the last
+    push. ``apply(params, grads, tau, w_fetched)`` applies one push on the
+    server; ``w_fetched`` is the fetch the push's gradients were computed
+    from (``"latest"``: the worker's latest fetch when the push is applied,
+    what a single DC backup per worker would hold). The final parameters and
+    the pushes' staleness.
+    """
+    block = int(np.gcd(n_fetch, n_push))
+    version, fetches = 0, [(list(params), 0)]  # (parameters, version) of each fetch
+    local = 0  # index of the fetch the local copy is
+    accum, carried, outbox, staleness, done = None, 0, None, [], 0
+    while done < num_steps or outbox is not None:
+        if outbox is not None:
+            grads, k = outbox
+            tau = version - fetches[k][1]
+            backup = fetches[-1 if w_fetched == "latest" else k][0]
+            params = apply(params, grads, tau, backup)
+            version += 1
+            staleness.append(tau)
+        count = min(block, num_steps - done)
+        done += count
+        fetch_due = done % n_fetch == 0 and done < num_steps
+        if fetch_due:
+            fetches.append((list(params), version))
+        for _ in range(count):
+            grads = _mse_gradient(*fetches[local][0])
+            accum = grads if accum is None else [a + g for a, g in zip(accum, grads)]
+            carried += 1
+        outbox = None
+        if (done % n_push == 0 or done == num_steps) and carried:
+            outbox, accum, carried = (accum, local), None, 0
+        if fetch_due:
+            local = len(fetches) - 1
+    return params, staleness
+
+
+def _adagrad_lr_over_tau(lr):
+    state = {}
+
+    def apply(params, grads, tau, w_fetched):
+        acc = state.setdefault("acc", [np.full_like(p, 0.1) for p in params])
+        state["acc"] = acc = [a + g**2 for a, g in zip(acc, grads)]
+        rate = lr / max(tau, 1)
+        return [p - rate * g / np.sqrt(a + 1e-7) for p, g, a in zip(params, grads, acc)]
+
+    return apply
+
+
+def _sgd_delay_compensated(lr, lam):
+    def apply(params, grads, tau, w_fetched):
+        return [p - lr * (g + lam * g * g * (p - f)) for p, g, f in zip(params, grads, w_fetched)]
+
+    return apply
+
+
 # -- the policies' math, in this process -----------------------------------------
 
 
@@ -249,13 +311,11 @@ def test_stale_pushes_are_applied_with_lr_over_tau(script, tmp_path):
     )
     r = _result(script(source, timeout=280))
     assert r["staleness"] == [0, 1, 2, 3]
-    w, b = (np.array(v, np.float64) for v in r["w0"])
-    g_w, g_b = _mse_gradient(w, b)
-    acc_w, acc_b = np.full_like(w, 0.1), np.full_like(b, 0.1)
-    for tau in range(4):  # Adagrad with the rate 0.1 / max(tau, 1), every push from w0
-        acc_w, acc_b = acc_w + g_w**2, acc_b + g_b**2
-        rate = 0.1 / max(tau, 1)
-        w, b = w - rate * g_w / np.sqrt(acc_w + 1e-7), b - rate * g_b / np.sqrt(acc_b + 1e-7)
+    # Adagrad with the rate 0.1 / max(tau, 1); every push from w0 (no fetch
+    # point inside the 4-step round).
+    w0 = [np.array(v, np.float64) for v in r["w0"]]
+    (w, b), staleness = _overlapped_round(w0, _adagrad_lr_over_tau(0.1), 4, 1, 4)
+    assert staleness == r["staleness"]
     np.testing.assert_allclose(r["w1"][0], w, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(r["w1"][1], b, rtol=1e-4, atol=1e-6)
     assert r["losses"][1] < r["losses"][0] and r["same"]
@@ -274,10 +334,8 @@ def test_stale_pushes_get_the_delay_compensation(script, tmp_path):
     assert r["staleness"] == [0, 1, 2, 3]
     w0, b0 = (np.array(v, np.float64) for v in r["w0"])
     g_w, g_b = _mse_gradient(w0, b0)  # every push: the gradient at the backup, w0
-    w, b = w0.copy(), b0.copy()
-    for _ in range(4):
-        w = w - 0.1 * (g_w + 2.0 * g_w * g_w * (w - w0))
-        b = b - 0.1 * (g_b + 2.0 * g_b * g_b * (b - b0))
+    (w, b), staleness = _overlapped_round([w0, b0], _sgd_delay_compensated(0.1, 2.0), 4, 1, 4)
+    assert staleness == r["staleness"]
     np.testing.assert_allclose(r["w1"][0], w, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(r["w1"][1], b, rtol=1e-4, atol=1e-6)
     # ... which differs from plain SGD's update by the correction.
@@ -285,6 +343,58 @@ def test_stale_pushes_get_the_delay_compensation(script, tmp_path):
     assert r["losses"][1] < r["losses"][0] and r["same"]
     assert r["config"]["staleness_policy"]["config"] == {"lam": 2.0}
     assert "DelayCompensation" in r["refused"] and "train_step" in r["refused"]
+
+
+@pytest.mark.timeout(300)
+def test_delay_compensation_uses_the_parameters_each_overlapped_push_was_computed_from(script):
+    # One worker, one 8-step round (steps_per_execution=8), the same batch
+    # every step, for (n_fetch, n_push) = (1, 1), (1, 2), (2, 1), (4, 2): with
+    # the overlap the worker prefetches fetch k + 1 before the push computed
+    # from fetch k is applied; the correction must use fetch k's parameters.
+    # (With n_fetch < n_push and one worker, fetch k + 1 holds the same
+    # parameters as fetch k and every push has staleness 0: exact weights
+    # only.)
+    configs = [(1, 1), (1, 2), (2, 1), (4, 2)]
+    proc = script(
+        PRELUDE
+        + f"""
+rng = np.random.default_rng(0)
+x = rng.normal(size=(8, 3)).astype("float32")
+y = rng.normal(size=(8, 2)).astype("float32")
+out = []
+with LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(
+        cluster.resolver, staleness_policy=tfdist_ext.downpour.DelayCompensation(lam=2.0))
+    for n_fetch, n_push in {configs!r}:
+        strategy.n_fetch, strategy.n_push = n_fetch, n_push
+        strategy.stats.reset()
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
+                          steps_per_execution=8)
+        w0 = [w.numpy().tolist() for w in model.trainable_weights]
+        model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=8,
+                  verbose=0)
+        out.append(dict(w0=w0, w1=[w.numpy().tolist() for w in model.trainable_weights],
+                        staleness=list(strategy.stats.staleness),
+                        summary=strategy.stats.summary()))
+report(out=out)
+""",
+        timeout=280,
+    )
+    for (n_fetch, n_push), r in zip(configs, _result(proc)["out"]):
+        w0 = [np.array(v, np.float64) for v in r["w0"]]
+        apply = _sgd_delay_compensated(0.1, 2.0)
+        (w, b), staleness = _overlapped_round(w0, apply, n_fetch, n_push, 8)
+        assert r["staleness"] == staleness, (n_fetch, n_push, r)
+        np.testing.assert_allclose(r["w1"][0], w, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(r["w1"][1], b, rtol=1e-4, atol=1e-6)
+        if n_fetch >= n_push:
+            assert max(staleness) >= 1, staleness  # stale pushes: the correction acts
+            # A backup overwritten by the prefetch (the worker's latest fetch)
+            # would give other weights.
+            (w_latest, _), _ = _overlapped_round(w0, apply, n_fetch, n_push, 8, "latest")
+            assert not np.allclose(r["w1"][0], w_latest, rtol=1e-4, atol=1e-6), (n_fetch, n_push)
 
 
 @pytest.mark.timeout(300)

@@ -77,13 +77,18 @@ def build_round(model, strategy, version):
     server = _staleness.server_side(strategy, trainable, version, owner is not None)
     bound = strategy.clock_bound()
 
-    def keras_fetch(worker):
-        """The local copy of the parameters and the server version it is from."""
+    def keras_fetch(worker, slot):
+        """The local copy of the parameters and its source: ``(server version, slot)``.
+
+        ``slot`` (0 or 1) is the worker's backup slot on the ps under
+        ``DelayCompensation`` (see ``round_fn``).
+        """
         with tf.control_dependencies([bound.before_fetch(worker)]):
-            params, fetched = server.fetch(worker), version.read_value()
+            params, fetched = server.fetch(worker, slot), version.read_value()
         # The parameters read on the ps (their backup copy under
         # DelayCompensation) cross as one tensor per ps task.
-        return one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False), fetched
+        params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
+        return params, (fetched, slot)
 
     def keras_step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
@@ -115,9 +120,9 @@ def build_round(model, strategy, version):
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, [scope.get_current_value(v) for v in metric_vars]
 
-    def version_only(worker):
-        """The user's step reads the parameters itself: only the version."""
-        return [], version.read_value()
+    def version_only(worker, slot):
+        """The user's step reads the parameters itself: only the source."""
+        return [], (version.read_value(), slot)
 
     def user_step(params, metric_values, data):
         """The user's ``train_step``; its ``optimizer.apply`` gives the gradients."""
@@ -163,13 +168,21 @@ def build_round(model, strategy, version):
         metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
         metric_values = metrics_start
         zeros = [tf.zeros(v.shape, v.dtype) for v in trainable]
+        # A fetch's source: the server version it read and its backup slot,
+        # the round's fetch count mod 2. Under DelayCompensation the fetch
+        # copies the parameters into that slot of the worker's two backups on
+        # the ps, and the push applies against the slot its gradient was
+        # computed from. The outbox computed from fetch k is pushed at the
+        # start of the next block, before that block's prefetch: at most
+        # fetch k + 1 (one per block, the other slot) comes between, so fetch
+        # k + 2 never overwrites the slot of a push still to be applied.
         with tf.control_dependencies([bound.start(worker)]):
-            params, fetched = fetch(worker)
-        prefetched, prefetched_version = params, fetched
+            params, source = fetch(worker, tf.constant(0, tf.int64))
+        prefetched, prefetched_source = params, source
         accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
         # A push in flight: the gradient of `outbox_steps` steps on parameters
-        # of server version `outbox_version`.
-        outbox, outbox_steps, outbox_version = zeros, tf.constant(0, tf.int64), fetched
+        # from `outbox_source` (the latest fetch, when it spans several).
+        outbox, outbox_steps, outbox_source = zeros, tf.constant(0, tf.int64), source
         sent = tf.constant(0, tf.int64)
         fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
@@ -187,12 +200,12 @@ def build_round(model, strategy, version):
         while done < num_steps or outbox_steps > 0:
             if outbox_steps > 0:
                 accepted, state, nbytes_sent = push(
-                    outbox, state, version.read_value(), outbox_steps, (worker, outbox_version)
+                    outbox, state, version.read_value(), outbox_steps, (worker, *outbox_source)
                 )
                 sent += nbytes_sent
                 if accepted:
                     before = version.assign_add(1) - 1
-                    staleness = staleness.write(staleness.size(), before - outbox_version)
+                    staleness = staleness.write(staleness.size(), before - outbox_source[0])
                     pushes += 1
                     applied += outbox_steps
                 else:
@@ -201,16 +214,16 @@ def build_round(model, strategy, version):
             done += count
             fetch_due = done % n_fetch == 0 and done < num_steps
             if fetch_due:
-                prefetched, prefetched_version = fetch(worker)
+                prefetched, prefetched_source = fetch(worker, fetches % 2)
                 fetches += 1
             accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
             carried += tf.cast(count, tf.int64)
             outbox_steps = tf.constant(0, tf.int64)
             if done % n_push == 0 or done == num_steps:
-                outbox, outbox_steps, outbox_version = accum, carried, fetched
+                outbox, outbox_steps, outbox_source = accum, carried, source
                 accum, carried = zeros, tf.constant(0, tf.int64)
             if fetch_due:
-                params, fetched = prefetched, prefetched_version
+                params, source = prefetched, prefetched_source
         steps = tf.cast(num_steps, tf.int64)
         # Per-worker compressor state (error-feedback residuals, momenta)
         # carries over to this worker's next round. PerWorkerVariables get
@@ -413,7 +426,8 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
     dense push sends one tensor per ``ps`` task (the concatenated gradients
     of the variables it owns). ``server`` (``_staleness.server_side``)
     applies the optimizer, given ``origin``: the pushing worker and the
-    server version its gradients were computed from.
+    server version its gradients were computed from and that fetch's
+    backup slot.
     """
     compressor = strategy.compression
     iterations = optimizer.iterations.value

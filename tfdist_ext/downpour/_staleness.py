@@ -70,7 +70,8 @@ class StalenessAwareLR(StalenessPolicy):
     The ``ps`` applies a push of staleness ``tau`` with the learning rate
     ``lr / max(tau, 1)``, where ``tau`` is the server version when the ``ps``
     starts the apply minus the version the push's gradients were computed
-    from (the replica's latest fetch), in the units of
+    from (the fetch the push's block computed on; the latest of them when a
+    push spans several), in the units of
     ``strategy.stats.staleness``.
 
     It is the learning rate of that one apply that is divided, not the
@@ -110,17 +111,24 @@ class DelayCompensation(StalenessPolicy):
     and ``w_fetched`` those the replica computed ``g`` from. The optimizer is
     then applied to ``g_corrected`` as usual.
 
-    Where ``w_fetched`` lives: as in the paper, on the ``ps`` tasks, a backup
-    copy of each parameter per worker, next to the parameter on the ``ps``
-    task that owns it. A fetch first copies the parameter into the fetching
-    worker's backup (on the ``ps``) and the worker reads that copy, so the
-    backup is exactly what the worker computes from. Cost: ``num_workers``
-    extra copies of the model in the ``ps`` tasks' memory (``num_workers *
-    4 * num_params`` bytes for float32), no extra network bytes (the
-    alternative, sending ``w_fetched`` with each push, would double the push
-    bytes), and per push two reads and a few elementwise ops per parameter
-    on the ``ps``. With ``n_fetch`` larger than ``n_push`` the backup is the
-    latest fetch, the one ``stats.staleness`` is measured from.
+    Where ``w_fetched`` lives: as in the paper, on the ``ps`` tasks, backup
+    copies of each parameter per worker, next to the parameter on the ``ps``
+    task that owns it. A fetch first copies the parameter into one of the
+    fetching worker's backups (on the ``ps``) and the worker reads that
+    copy, so the backup is exactly what the worker computes from. Each
+    worker has two backup slots, used alternately by its fetches (the
+    round's fetch count mod 2): Downpour's round pushes a block's gradient
+    while the next block computes and prefetches the next parameters after
+    that push, so fetch ``k + 1`` happens before the push computed from
+    fetch ``k`` is applied (never fetch ``k + 2``); the push names its
+    fetch's slot. Cost: ``2 * num_workers`` extra copies of the model in the
+    ``ps`` tasks' memory (``2 * num_workers * 4 * num_params`` bytes for
+    float32), no extra network bytes (the alternative, sending ``w_fetched``
+    with each push, would double the push bytes), and per push two reads and
+    a few elementwise ops per parameter on the ``ps``. With ``n_push``
+    larger than ``n_fetch`` a push sums gradients computed from several
+    fetches; ``w_fetched`` is the latest of them, the one
+    ``stats.staleness`` is measured from.
 
     Not with ``compression`` (an error-feedback push carries residuals of
     gradients computed from older parameters, so it has no ``w_fetched``),
@@ -214,13 +222,16 @@ class _Plain:
         self.trainable = trainable
 
     @_graph_code
-    def fetch(self, worker):
-        """The worker's local copy of the parameters."""
+    def fetch(self, worker, slot):
+        """The worker's local copy of the parameters (read on the ps)."""
         return [tf.convert_to_tensor(v.value) for v in self.trainable]
 
     @_graph_code
-    def apply(self, optimizer, grads, worker, fetched):
-        """Applies a push of ``grads`` computed by ``worker`` from version ``fetched``."""
+    def apply(self, optimizer, grads, worker, fetched, slot):
+        """Applies a push of ``grads`` computed by ``worker`` from version ``fetched``.
+
+        ``slot``: the backup slot of that fetch (see ``DelayCompensation``).
+        """
         optimizer.apply_gradients(zip(grads, self.trainable))
 
 
@@ -230,7 +241,7 @@ class _StalenessScaled(_Plain):
         self.version = version
 
     @_graph_code
-    def apply(self, optimizer, grads, worker, fetched):
+    def apply(self, optimizer, grads, worker, fetched, slot):
         factor = StalenessAwareLR.rate_factor(self.version.read_value() - fetched)
         with _integration.scaled_learning_rate(optimizer, factor):
             optimizer.apply_gradients(zip(grads, self.trainable))
@@ -262,17 +273,21 @@ class _DelayCompensated(_Plain):
             for v in trainable:
                 with strategy.extended.colocate_vars_with(v.value):
                     self.backups.append(
-                        tf.Variable(
-                            tf.zeros([num_workers, *v.shape], v.dtype),
+                        tf.Variable(  # slot s of worker i: row 2 * i + s
+                            tf.zeros([2 * num_workers, *v.shape], v.dtype),
                             trainable=False,
                             name="downpour_dc_backup",
                         )
                     )
 
+    @staticmethod
+    def _row(worker, slot):
+        return tf.reshape(2 * tf.cast(worker, tf.int64) + tf.cast(slot, tf.int64), [1])
+
     @_graph_code
-    def fetch(self, worker):
-        """Copies the parameters into ``worker``'s backup (on the ps); the worker reads it."""
-        index = tf.reshape(worker, [1])
+    def fetch(self, worker, slot):
+        """Copies the parameters into ``worker``'s backup ``slot`` (on the ps); the worker reads it."""
+        index = self._row(worker, slot)
         params = []
         for v, backup in zip(self.trainable, self.backups):
             with tf.device(v.value.device):
@@ -282,8 +297,8 @@ class _DelayCompensated(_Plain):
         return params
 
     @_graph_code
-    def apply(self, optimizer, grads, worker, fetched):
-        index = tf.reshape(worker, [1])
+    def apply(self, optimizer, grads, worker, fetched, slot):
+        index = self._row(worker, slot)
         corrected = []
         for g, v, backup in zip(grads, self.trainable, self.backups):
             with tf.device(v.value.device):

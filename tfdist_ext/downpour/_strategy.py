@@ -112,7 +112,8 @@ class DownpourStrategy(ParameterServerBase):
         (as pushed), ``tfdist_ext.downpour.StalenessAwareLR()`` (the rate
         divided by the push's staleness) or
         ``tfdist_ext.downpour.DelayCompensation(lam)`` (DC-ASGD's correction
-        from a per-worker backup of the fetched parameters on the ``ps``).
+        from two backup slots per worker of the fetched parameters on the
+        ``ps``: ``2 * num_workers`` copies of the model).
       max_staleness: ``None``, or an int ``s >= 0``: stale synchronous
         parallel, the fastest worker at most ``s`` fetch blocks ahead of the
         slowest live one (it waits before its fetch, at most ``deadline``
