@@ -47,9 +47,10 @@ def _cnn(keras):
     )
 
 
-def _compile(keras, model, lr):
+def _compile(keras, model, lr, optimizer="adagrad"):
+    optimizers = {"adagrad": keras.optimizers.Adagrad, "sgd": keras.optimizers.SGD}
     model.compile(
-        optimizer=keras.optimizers.Adagrad(lr),
+        optimizer=optimizers[optimizer](lr),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -71,7 +72,16 @@ def _strategy(cfg):
     from tfdist_ext.cluster import LocalCluster
 
     cluster = LocalCluster(num_workers=cfg["workers"], num_ps=1, intra_op_threads=1).start()
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
+    policy = cfg.get("staleness_policy")  # {"class_name": ..., "config": ...} or None
+    if policy is not None:
+        policy = getattr(tfdist_ext.downpour, policy["class_name"])(**policy.get("config", {}))
+    strategy = tfdist_ext.DownpourStrategy(
+        cluster.resolver,
+        n_fetch=cfg.get("n_fetch", cfg["n"]),
+        n_push=cfg["n"],
+        staleness_policy=policy,
+        max_staleness=cfg.get("max_staleness"),
+    )
     return strategy, cluster
 
 
@@ -90,17 +100,28 @@ def time_to_accuracy(cfg):
     test = test.batch(500).cache()
     scope = strategy.scope() if strategy else _null()
     with scope:
-        model = _compile(keras, _mlp(keras, inputs, cfg["hidden"]), cfg["lr"])
-    target = TARGETS[cfg["dataset"]]
+        model = _compile(
+            keras, _mlp(keras, inputs, cfg["hidden"]), cfg["lr"], cfg.get("optimizer", "adagrad")
+        )
+    if cfg.get("warmup"):  # traced before the clock starts (and before any throttle)
+        model.fit(train, epochs=1, steps_per_epoch=cfg["warmup"], verbose=0)
+        # No function may be first registered on the cluster while a worker
+        # is throttled: the registration waits for the stopped worker holding
+        # the GIL that the throttle thread needs to continue it.
+        model.evaluate(test, verbose=0)
+        if strategy is not None and hasattr(strategy, "stats"):
+            strategy.stats.reset()
+    target = cfg.get("target", TARGETS[cfg["dataset"]])
     trained, curve, reached = 0.0, [], None
-    while trained < cfg["budget"]:
-        start = time.perf_counter()
-        model.fit(train, epochs=1, steps_per_epoch=cfg["chunk"], verbose=0)
-        trained += time.perf_counter() - start
-        accuracy = float(model.evaluate(test, verbose=0)[1])
-        curve.append([round(trained, 3), accuracy])
-        if reached is None and accuracy >= target:
-            reached = trained
+    with _throttled(cluster, cfg.get("slowdown")):
+        while trained < cfg["budget"]:
+            start = time.perf_counter()
+            model.fit(train, epochs=1, steps_per_epoch=cfg["chunk"], verbose=0)
+            trained += time.perf_counter() - start
+            accuracy = float(model.evaluate(test, verbose=0)[1])
+            curve.append([round(trained, 3), accuracy])
+            if reached is None and accuracy >= target:
+                reached = trained
     out = {
         "seconds_to_target": reached,
         "final_accuracy": curve[-1][1],
@@ -114,10 +135,20 @@ def time_to_accuracy(cfg):
             fetch_bytes_per_step=summary["fetch_bytes_per_step"],
             staleness=strategy.stats.staleness,
             steps_per_worker=strategy.stats.steps_per_worker,
+            clock_leads=None
+            if strategy.stats.clock_leads is None
+            else strategy.stats.clock_leads.tolist(),
         )
     if cluster:
         _report(out)
     return out
+
+
+def _throttled(cluster, slowdown):
+    """Worker 1 slowed ``slowdown`` times (``LocalCluster.throttle``), or nothing."""
+    if cluster is None or not slowdown:
+        return _null()
+    return cluster.throttle("worker", 1, slowdown=slowdown)
 
 
 def throughput(cfg):

@@ -52,6 +52,7 @@ Keras is pinned in ``setup.cfg`` to :data:`KERAS_TESTED`'s range; CI tests
 both ends (tox envs ``keras-oldest`` and ``keras-newest``).
 """
 
+import contextlib
 import contextvars
 import functools
 import inspect
@@ -198,6 +199,9 @@ if BaseOptimizer is not None:
     _check_sets(BaseOptimizer, "__init__", "_trainable_variables_indices")
     _check_sets(BaseOptimizer, "build", "_trainable_variables")
     _check(BaseOptimizer, "_var_key", params=("variable",))
+    _check(BaseOptimizer, "_get_current_learning_rate")
+    _check_source(BaseOptimizer.learning_rate.fget, "self._get_current_learning_rate()")
+    _check_source(BaseOptimizer._backend_apply_gradients, "self.learning_rate")
 
 # -- TensorFlow -------------------------------------------------------------
 
@@ -445,6 +449,24 @@ def reindex_optimizer(optimizer):
     optimizer._trainable_variables_indices = {
         optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
     }
+
+
+@contextlib.contextmanager
+def scaled_learning_rate(optimizer, factor):
+    """Within the block, ``optimizer.learning_rate`` (what its ``apply`` uses:
+    a variable, a schedule's value or a constant) is multiplied by ``factor``
+    (a tensor). For tracing one apply (Downpour's ``StalenessAwareLR``)."""
+    original = optimizer._get_current_learning_rate
+
+    def scaled():
+        rate = tf.convert_to_tensor(original())
+        return rate * tf.cast(factor, rate.dtype)
+
+    optimizer._get_current_learning_rate = scaled
+    try:
+        yield
+    finally:
+        del optimizer._get_current_learning_rate
 
 
 # -- hooks --------------------------------------------------------------------

@@ -505,6 +505,13 @@ class LocalCluster:
         RPCs -- runs at ``1/slowdown`` of its speed. It is always continued
         when the block ends.
 
+        Known issue: it can deadlock if the chief registers a new TensorFlow
+        function on the cluster (e.g. a first ``fit``/``evaluate`` or a new
+        dataset's iterator) while the task is stopped, because the
+        registration waits for the stopped task while holding the GIL this
+        throttle's thread needs to continue it; run everything once (trace
+        and register every function) before entering the ``with`` block.
+
         Example:
           >>> with cluster.throttle("worker", 1, slowdown=4):  # doctest: +SKIP
           ...     model.fit(x, y, epochs=5)

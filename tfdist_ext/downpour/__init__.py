@@ -11,7 +11,16 @@ Example:
   ...     model.fit(train_ds, epochs=2, steps_per_epoch=100)
 """
 
+from tfdist_ext.downpour._staleness import DelayCompensation
+from tfdist_ext.downpour._staleness import StalenessAwareLR
+from tfdist_ext.downpour._staleness import StalenessPolicy
 from tfdist_ext.downpour._stats import DownpourStats
 from tfdist_ext.downpour._strategy import DownpourStrategy
 
-__all__ = ["DownpourStats", "DownpourStrategy"]
+__all__ = [
+    "DelayCompensation",
+    "DownpourStats",
+    "DownpourStrategy",
+    "StalenessAwareLR",
+    "StalenessPolicy",
+]

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.downpour import _staleness
 
 
 def partition(model, strategy):
@@ -71,12 +72,23 @@ def build_round(model, strategy, version):
     n_fetch, n_push = strategy.n_fetch, strategy.n_push
     param_bytes = sum(nbytes(v) for v in trainable)
     nt_bytes = sum(nbytes(v) for v in non_trainable)
+    owner = _integration.overridden_step(model, "train_step")
+    # Staleness policy (the fetch and the apply) and SSP clocks: _staleness.py.
+    server = _staleness.server_side(strategy, trainable, version, owner is not None)
+    bound = strategy.clock_bound()
 
-    def keras_fetch():
-        """The local copy of the parameters and the server version it is from."""
-        params = [tf.convert_to_tensor(v.value) for v in trainable]
+    def keras_fetch(worker, slot):
+        """The local copy of the parameters and its source: ``(server version, slot)``.
+
+        ``slot`` (0 or 1) is the worker's backup slot on the ps under
+        ``DelayCompensation`` (see ``round_fn``).
+        """
+        with tf.control_dependencies([bound.before_fetch(worker)]):
+            params, fetched = server.fetch(worker, slot), version.read_value()
+        # The parameters read on the ps (their backup copy under
+        # DelayCompensation) cross as one tensor per ps task.
         params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
-        return params, version.read_value()
+        return params, (fetched, slot)
 
     def keras_step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
@@ -108,9 +120,9 @@ def build_round(model, strategy, version):
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, [scope.get_current_value(v) for v in metric_vars]
 
-    def version_only():
-        """The user's step reads the parameters itself: only the version."""
-        return [], version.read_value()
+    def version_only(worker, slot):
+        """The user's step reads the parameters itself: only the source."""
+        return [], (version.read_value(), slot)
 
     def user_step(params, metric_values, data):
         """The user's ``train_step``; its ``optimizer.apply`` gives the gradients."""
@@ -118,7 +130,6 @@ def build_round(model, strategy, version):
             model.train_step(data)
         return collector.gradients(), metric_values
 
-    owner = _integration.overridden_step(model, "train_step")
     if owner is None:
         fetch, step = keras_fetch, keras_step
         metric_vars = list({id(v): v for v in model.metrics_variables}.values())
@@ -130,7 +141,7 @@ def build_round(model, strategy, version):
         metric_vars = []
 
     push, state_vars = make_push(
-        strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale
+        strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale, server
     )
 
     block = math.gcd(n_fetch, n_push)
@@ -157,12 +168,21 @@ def build_round(model, strategy, version):
         metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
         metric_values = metrics_start
         zeros = [tf.zeros(v.shape, v.dtype) for v in trainable]
-        params, fetched = fetch()
-        prefetched, prefetched_version = params, fetched
+        # A fetch's source: the server version it read and its backup slot,
+        # the round's fetch count mod 2. Under DelayCompensation the fetch
+        # copies the parameters into that slot of the worker's two backups on
+        # the ps, and the push applies against the slot its gradient was
+        # computed from. The outbox computed from fetch k is pushed at the
+        # start of the next block, before that block's prefetch: at most
+        # fetch k + 1 (one per block, the other slot) comes between, so fetch
+        # k + 2 never overwrites the slot of a push still to be applied.
+        with tf.control_dependencies([bound.start(worker)]):
+            params, source = fetch(worker, tf.constant(0, tf.int64))
+        prefetched, prefetched_source = params, source
         accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
         # A push in flight: the gradient of `outbox_steps` steps on parameters
-        # of server version `outbox_version`.
-        outbox, outbox_steps, outbox_version = zeros, tf.constant(0, tf.int64), fetched
+        # from `outbox_source` (the latest fetch, when it spans several).
+        outbox, outbox_steps, outbox_source = zeros, tf.constant(0, tf.int64), source
         sent = tf.constant(0, tf.int64)
         fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
@@ -180,12 +200,12 @@ def build_round(model, strategy, version):
         while done < num_steps or outbox_steps > 0:
             if outbox_steps > 0:
                 accepted, state, nbytes_sent = push(
-                    outbox, state, version.read_value(), outbox_steps
+                    outbox, state, version.read_value(), outbox_steps, (worker, *outbox_source)
                 )
                 sent += nbytes_sent
                 if accepted:
                     before = version.assign_add(1) - 1
-                    staleness = staleness.write(staleness.size(), before - outbox_version)
+                    staleness = staleness.write(staleness.size(), before - outbox_source[0])
                     pushes += 1
                     applied += outbox_steps
                 else:
@@ -194,16 +214,16 @@ def build_round(model, strategy, version):
             done += count
             fetch_due = done % n_fetch == 0 and done < num_steps
             if fetch_due:
-                prefetched, prefetched_version = fetch()
+                prefetched, prefetched_source = fetch(worker, fetches % 2)
                 fetches += 1
             accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
             carried += tf.cast(count, tf.int64)
             outbox_steps = tf.constant(0, tf.int64)
             if done % n_push == 0 or done == num_steps:
-                outbox, outbox_steps, outbox_version = accum, carried, fetched
+                outbox, outbox_steps, outbox_source = accum, carried, source
                 accum, carried = zeros, tf.constant(0, tf.int64)
             if fetch_due:
-                params, fetched = prefetched, prefetched_version
+                params, source = prefetched, prefetched_source
         steps = tf.cast(num_steps, tf.int64)
         # Per-worker compressor state (error-feedback residuals, momenta)
         # carries over to this worker's next round. PerWorkerVariables get
@@ -213,6 +233,7 @@ def build_round(model, strategy, version):
             v.value.assign_add(new - old)
             for v, new, old in zip(metric_vars, metric_values, metrics_start)
         ]
+        saved.append(bound.stop(worker))
         with tf.control_dependencies(saved):
             steps = tf.identity(steps)
         return {
@@ -390,8 +411,8 @@ class LossScale:
         tf.group(counter.assign(0), scale.assign(scale.read_value() * 0.5))
 
 
-def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
-    """``push(accum, state, step, steps) -> (accepted, state, bytes_sent)`` and the state variables.
+def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
+    """``push(accum, state, step, steps, origin) -> (accepted, state, bytes_sent)`` and the state variables.
 
     The server checks every push: each ``ps`` task tests the gradient of the
     variables it owns for NaN/Inf, and ``optimizer`` is applied only if all
@@ -403,16 +424,19 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
     state (error-feedback residuals, DGC momenta) stays on the worker in
     per-worker variables; a rejected push leaves that state unchanged. A
     dense push sends one tensor per ``ps`` task (the concatenated gradients
-    of the variables it owns).
+    of the variables it owns). ``server`` (``_staleness.server_side``)
+    applies the optimizer, given ``origin``: the pushing worker and the
+    server version its gradients were computed from and that fetch's
+    backup slot.
     """
     compressor = strategy.compression
     iterations = optimizer.iterations.value
 
-    def apply(grads, steps):
+    def apply(grads, steps, origin):
         # Cross-replica context: each variable's update runs on the ps task
         # that owns it (extended.update colocates). Keras counts 1; the push
         # carries `steps` training steps.
-        optimizer.apply_gradients(zip(grads, trainable))
+        server.apply(optimizer, grads, *origin)
         with tf.control_dependencies([iterations.assign_add(steps - 1)]):
             loss_scale.after_accepted()
             return tf.constant(True)
@@ -421,19 +445,19 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         loss_scale.after_rejected()
         return tf.constant(False)
 
-    def checked_apply(grads, steps):
+    def checked_apply(grads, steps, origin):
         checks = []
         for g, v in zip(grads, trainable):
             with tf.device(home(v)):
                 checks.append(tf.reduce_all(tf.math.is_finite(g)))
         accepted = tf.reduce_all(checks)
-        return tf.cond(accepted, lambda: apply(grads, steps), reject)
+        return tf.cond(accepted, lambda: apply(grads, steps, origin), reject)
 
     if compressor is None:
 
-        def push(accum, state, step, steps):
+        def push(accum, state, step, steps, origin):
             grads = one_transfer_per_task(accum, [home(v) for v in trainable], to_ps=True)
-            accepted = checked_apply(grads, steps)
+            accepted = checked_apply(grads, steps, origin)
             return accepted, state, tf.constant(param_bytes, tf.int64)
 
         return push, []
@@ -447,7 +471,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
             for v in trainable
         ]
 
-    def push(accum, state, step, steps):
+    def push(accum, state, step, steps, origin):
         wires, candidate = [], []
         for a, s in zip(accum, state):
             wire, s = compressor.compress(a, s, step)
@@ -457,7 +481,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale):
         for wire, v, a in zip(wires, trainable, accum):
             with tf.device(home(v)):
                 grads.append(compressor.decompress(wire, a.shape, a.dtype))
-        accepted = checked_apply(grads, steps)
+        accepted = checked_apply(grads, steps, origin)
         if tf.nest.flatten(candidate):
             state = tf.cond(accepted, lambda: candidate, lambda: state)
         return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])

@@ -14,7 +14,9 @@ class DownpourStats:
     to the local steps it ran. ``lost_results`` counts rounds that finished
     (their pushes were applied) on a worker that died before the chief read
     their counters back; their steps are counted, their pushes and staleness
-    are not.
+    are not. With ``max_staleness=s``, ``clock_leads[k]`` counts the fetches
+    a worker started ``k`` fetch blocks ahead of the slowest live worker
+    (``k <= s``; read at each epoch's end); ``None`` without.
 
     Example:
       >>> strategy.stats.summary()   # doctest: +SKIP
@@ -36,6 +38,7 @@ class DownpourStats:
             self.staleness = []
             self.steps_per_worker = {}
             self.lost_results = 0
+            self.clock_leads = None
 
     def record(
         self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness, worker=None

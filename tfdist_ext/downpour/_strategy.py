@@ -2,11 +2,14 @@
 
 import math
 
+import tensorflow as tf
+
 from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import positive_int
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour import _schedule
+from tfdist_ext.downpour import _staleness
 from tfdist_ext.downpour._data import SourceDataset
 from tfdist_ext.downpour._runtime import DownpourRuntime
 from tfdist_ext.downpour._stats import DownpourStats
@@ -105,6 +108,18 @@ class DownpourStrategy(ParameterServerBase):
         stage by stage, only activations crossing stages. The plan is in
         ``strategy.plan`` after ``fit`` starts. Needs workers with that many
         devices (``LocalCluster(devices_per_worker=k)``).
+      staleness_policy: how the ``ps`` tasks apply a stale push: ``None``
+        (as pushed), ``tfdist_ext.downpour.StalenessAwareLR()`` (the rate
+        divided by the push's staleness) or
+        ``tfdist_ext.downpour.DelayCompensation(lam)`` (DC-ASGD's correction
+        from two backup slots per worker of the fetched parameters on the
+        ``ps``: ``2 * num_workers`` copies of the model).
+      max_staleness: ``None``, or an int ``s >= 0``: stale synchronous
+        parallel, the fastest worker at most ``s`` fetch blocks ahead of the
+        slowest live one (it waits before its fetch, at most ``deadline``
+        seconds, then ``fit`` raises ``ClusterTimeoutError`` naming the
+        workers it waited for; a lost worker leaves the bound).
+        ``strategy.stats.clock_leads`` counts the fetches per lead ``0..s``.
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
@@ -129,6 +144,8 @@ class DownpourStrategy(ParameterServerBase):
         deadline=60.0,
         compression=None,
         model_devices=None,
+        staleness_policy=None,
+        max_staleness=None,
     ):
         self.n_fetch = n_fetch
         self.n_push = n_push
@@ -138,6 +155,19 @@ class DownpourStrategy(ParameterServerBase):
 
             compression = compression_lib.get(compression)
         self.compression = compression
+        self.staleness_policy = _staleness.check_policy(staleness_policy)
+        self.max_staleness = _staleness.check_max_staleness(max_staleness)
+        if compression is not None and isinstance(
+            self.staleness_policy, _staleness.DelayCompensation
+        ):
+            raise ValueError(
+                "DownpourStrategy: DelayCompensation cannot be used with compression: "
+                "a compressed (error-feedback) push carries gradients computed from "
+                "older parameters than the fetch it follows, so the correction "
+                "g*g*(w_now - w_fetched) has no single w_fetched. Use StalenessAwareLR "
+                "or max_staleness with compression."
+            )
+        self._bound = None
         if model_devices is not None:
             if (
                 isinstance(model_devices, str)
@@ -185,9 +215,21 @@ class DownpourStrategy(ParameterServerBase):
         """The ``model_devices`` partition of the latest model ``fit`` (``None`` without)."""
         return self._runtime.plan
 
+    def clock_bound(self):
+        """The SSP clocks of ``max_staleness`` on the ``ps`` tasks (internal)."""
+        if self._bound is None:
+            self._bound = _staleness.clock_bound(self)
+        return self._bound
+
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
-        return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
+        try:
+            return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
+        except tf.errors.OpError as e:
+            explained = _staleness.explain_timeout(e)
+            if explained is e:
+                raise
+            raise explained from None
 
     def _tfdist_apply(self, optimizer, grads, variables, keras_apply):
         collector = _round.GradientCollector.active()
@@ -196,12 +238,16 @@ class DownpourStrategy(ParameterServerBase):
         return collector.add(optimizer, grads, variables)
 
     def _tfdist_epoch_logs(self, model, logs, keras_epoch_logs):
-        return _schedule.epoch_logs(model, logs, keras_epoch_logs)
+        logs = _schedule.epoch_logs(model, logs, keras_epoch_logs)
+        if self._bound is not None:
+            self.stats.clock_leads = self._bound.lead_histogram()
+        return logs
 
     def _stop_runtime(self):
         """Stops the coordinator's threads; drops the per-worker iterators and rounds."""
         self.coordinator.shutdown()
         self._runtime.clear()
+        self._bound = None
 
     def experimental_distribute_dataset(self, dataset, options=None):
         """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.
@@ -222,4 +268,6 @@ class DownpourStrategy(ParameterServerBase):
             "deadline": self.deadline,
             "compression": None if self.compression is None else repr(self.compression),
             "model_devices": self.model_devices,
+            "staleness_policy": _staleness.policy_to_config(self.staleness_policy),
+            "max_staleness": self.max_staleness,
         }
