@@ -205,7 +205,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         model.compile(optimizer=keras.optimizers.Adagrad(0.05),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                       metrics=["accuracy"])
-    h = model.fit(digits_train(), epochs=3, steps_per_epoch=40, verbose=0)
+    # 200 steps: with the overlapped push (one more push of staleness) 120
+    # left the held-out accuracy near 0.8.
+    h = model.fit(digits_train(), epochs=5, steps_per_epoch=40, verbose=0)
     scale = float(model.optimizer.dynamic_scale.numpy())
     logits = model.predict(x_test, verbose=0)
     model.save({path!r})
@@ -231,7 +233,7 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     assert r["compute_dtype"] == "float16" and r["optimizer"] == "LossScaleOptimizer"
     assert r["loss"][-1] < r["loss"][0] and r["accuracy"] > 0.8
     assert 1.0 <= r["scale"] <= 2.0**15
-    assert r["iterations"] == 120
+    assert r["iterations"] == 200
     assert r["custom_traced"] > 0 and r["custom_loss"][-1] < r["custom_loss"][0]
     assert 1.0 <= r["custom_scale"] <= 2.0**15
     # A fresh process without tfdist_ext loads it and predicts the same.
