@@ -410,11 +410,7 @@ def validation_table(checks):
 
 def prediction_table(preds, workers=(8, 64, 256)):
     """Predicted examples/s and efficiency: one row per (model, system, link)."""
-    keys = []
-    for p in preds:
-        key = (p["model"], p["system"], p["link"])
-        if key not in keys:
-            keys.append(key)
+    keys = list(dict.fromkeys((p["model"], p["system"], p["link"]) for p in preds))
     rows = []
     for key in keys:
         row = list(key)
