@@ -147,8 +147,22 @@ def _serve(args):
             _SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]), file=sys.stderr, flush=True
         )
     print(f"READY {task_type}:{task_index} {address}", flush=True)
-    while server:  # serves until a signal ends the process
-        time.sleep(3600)
+    _wait_for_a_signal()
+
+
+def _wait_for_a_signal():
+    """Blocks until a signal arrives; its Python handler then runs here.
+
+    The kernel may deliver SIGINT to any of TensorFlow's threads, and then a
+    main thread in ``time.sleep`` is not woken (no EINTR) and the handler waits
+    for the sleep to end. A wakeup fd is written by the C-level handler
+    whatever thread took the signal, so reading it always returns.
+    """
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end)
+    while True:
+        os.read(read_end, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
