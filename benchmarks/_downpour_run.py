@@ -72,6 +72,11 @@ def _strategy(cfg):
     from tfdist_ext.cluster import LocalCluster
 
     cluster = LocalCluster(num_workers=cfg["workers"], num_ps=1, intra_op_threads=1).start()
+    if system == "easgd":
+        strategy = tfdist_ext.ElasticAveragingStrategy(
+            cluster.resolver, tau=cfg["tau"], alpha=cfg.get("alpha")
+        )
+        return strategy, cluster
     policy = cfg.get("staleness_policy")  # {"class_name": ..., "config": ...} or None
     if policy is not None:
         policy = getattr(tfdist_ext.downpour, policy["class_name"])(**policy.get("config", {}))
@@ -128,7 +133,7 @@ def time_to_accuracy(cfg):
         "curve": curve,
         "target": target,
     }
-    if cfg["system"] == "downpour":
+    if cfg["system"] in ("downpour", "easgd"):
         summary = strategy.stats.summary()
         out.update(
             push_bytes_per_step=summary["push_bytes_per_step"],

@@ -10,12 +10,17 @@ budget: held-out accuracy at the end and seconds to the target accuracy of
 * Downpour + ``StalenessAwareLR`` (rate / staleness),
 * Downpour + ``DelayCompensation(lam)`` (DC-ASGD),
 * Downpour with ``max_staleness = 2`` (stale synchronous parallel),
+* EASGD (``ElasticAveragingStrategy``, ``tau = N_FETCH``, the default
+  ``alpha = 0.9 / 2``, the same SGD locally); its "staleness" is the other
+  replica's exchanges with the centre between two of this replica's,
 * synchronous all-reduce: ``tf.distribute.MirroredStrategy`` on 2 logical
   CPUs, the synchronous peer of the ``downpour`` benchmark (unthrottled: one
   process cannot slow one of its replicas; a synchronous run with this
   straggler would run at its pace).
 
-EASGD is not built yet (no ``tfdist_ext`` implementation): it has no row.
+Each ``fit`` call starts EASGD's replicas from the centre; the benchmark
+trains in chunks of ``fit`` calls (an evaluation between chunks), so its
+replicas are re-centred every chunk.
 
 Every run is its own process (``benchmarks/_downpour_run.py``, the
 ``downpour`` benchmark's runner); runs are interleaved per dataset. Each
@@ -42,6 +47,7 @@ SYSTEMS = {
     },
     f"SSP s={MAX_STALENESS}": {"max_staleness": MAX_STALENESS},
 }
+EASGD = f"EASGD tau={N_FETCH}"
 SYNC = "sync all-reduce"
 
 
@@ -62,6 +68,7 @@ def _configs(dataset, quick, seed):
         name: dict(base, system="downpour", n=1, n_fetch=N_FETCH, slowdown=SLOWDOWN, **extra)
         for name, extra in SYSTEMS.items()
     }
+    configs[EASGD] = dict(base, system="easgd", n=1, tau=N_FETCH, slowdown=SLOWDOWN)
     configs[SYNC] = dict(base, system="mirrored", n=1)
     return configs
 
@@ -81,7 +88,7 @@ def _plot(dataset, samples, quick):
         counts = np.bincount(staleness) if staleness else np.zeros(1, int)
         ax.bar(np.arange(counts.size), counts / max(1, counts.sum()), width=0.9)
         ax.set_title(f"{name}\nmean {np.mean(staleness) if staleness else 0:.1f}", fontsize=9)
-        ax.set_xlabel("staleness (server updates)")
+        ax.set_xlabel("exchanges between own" if name == EASGD else "staleness (server updates)")
         ax.grid(alpha=0.3)
     np.atleast_1d(axes)[0].set_ylabel("fraction of pushes")
     fig.suptitle(
@@ -170,11 +177,16 @@ def run(quick=False, seed=0):
         "the synchronous peer (MirroredStrategy, 2 logical CPUs, one process) is not "
         "throttled"
     )
-    notes.append("EASGD: not built yet in tfdist_ext, so no row")
+    notes.append(
+        f"EASGD: ElasticAveragingStrategy(tau={N_FETCH}, alpha=0.45), SGD(0.1) locally; "
+        "its staleness column counts the other replica's exchanges with the centre "
+        "between two of this replica's; replicas restart from the centre at each fit "
+        "call (every 50 steps on digits, 100 on MNIST-1D)"
+    )
     notes.append("staleness plots: " + ", ".join(os.path.relpath(p) for p in plots if p))
     return {
         "candidate": "tfdist_ext.DownpourStrategy with staleness corrections (LocalCluster)",
-        "peer": f"plain Downpour; synchronous all-reduce ({SYNC}: MirroredStrategy, 2 CPUs)",
+        "peer": f"plain Downpour; EASGD; synchronous all-reduce ({SYNC}: MirroredStrategy, 2 CPUs)",
         "figures": figures,
         "table": {
             "columns": [

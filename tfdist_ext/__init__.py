@@ -1,6 +1,6 @@
 """tfdist_ext: classic distributed deep learning for TensorFlow 2.21 and Keras 3.
 
-Strategies (``DownpourStrategy``, ``SandblasterStrategy``, ``CompressedMirroredStrategy``,
+Strategies (``DownpourStrategy``, ``ElasticAveragingStrategy``, ``SandblasterStrategy``, ``CompressedMirroredStrategy``,
 ``CompressedMultiWorkerMirroredStrategy``, ``ModelParallelStrategy``) and the
 subpackages ``downpour``, ``sandblaster``, ``optimizers``, ``compression``,
 ``schedules``, ``callbacks``, ``layers``, ``recipes`` and ``model_parallel``
@@ -47,6 +47,7 @@ _SUBPACKAGES = (
 )
 _NAMES = {
     "DownpourStrategy": "tfdist_ext.downpour",
+    "ElasticAveragingStrategy": "tfdist_ext.downpour",
     "SandblasterStrategy": "tfdist_ext.sandblaster",
     "CompressedMirroredStrategy": "tfdist_ext.compression",
     "CompressedMultiWorkerMirroredStrategy": "tfdist_ext.compression",

@@ -147,11 +147,12 @@ def _serve(args):
             _SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]), file=sys.stderr, flush=True
         )
     print(f"READY {task_type}:{task_index} {address}", flush=True)
-    _wait_for_a_signal()
+    _wait_for_a_signal(server)
 
 
-def _wait_for_a_signal():
-    """Blocks until a signal arrives; its Python handler then runs here.
+def _wait_for_a_signal(server):
+    """Serves (keeps ``server`` referenced) until a signal arrives; its Python
+    handler then runs here.
 
     The kernel may deliver SIGINT to any of TensorFlow's threads, and then a
     main thread in ``time.sleep`` is not woken (no EINTR) and the handler waits
@@ -161,7 +162,7 @@ def _wait_for_a_signal():
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end)
-    while True:
+    while server is not None:
         os.read(read_end, 1)
 
 

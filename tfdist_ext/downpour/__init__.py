@@ -1,4 +1,4 @@
-"""Downpour SGD: asynchronous parameter-server training for Keras 3 ``model.fit``.
+"""Downpour SGD and elastic averaging: asynchronous parameter-server training for ``model.fit``.
 
 Example:
   >>> import keras, tfdist_ext
@@ -11,6 +11,7 @@ Example:
   ...     model.fit(train_ds, epochs=2, steps_per_epoch=100)
 """
 
+from tfdist_ext.downpour._elastic import ElasticAveragingStrategy
 from tfdist_ext.downpour._staleness import DelayCompensation
 from tfdist_ext.downpour._staleness import StalenessAwareLR
 from tfdist_ext.downpour._staleness import StalenessPolicy
@@ -21,6 +22,7 @@ __all__ = [
     "DelayCompensation",
     "DownpourStats",
     "DownpourStrategy",
+    "ElasticAveragingStrategy",
     "StalenessAwareLR",
     "StalenessPolicy",
 ]

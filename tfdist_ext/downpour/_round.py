@@ -55,42 +55,23 @@ def partition(model, strategy):
     return plan
 
 
-def build_round(model, strategy, version):
-    """The tf.function one worker runs for a round of local steps.
+def keras_local_step(model, optimizer, loss_scale):
+    """Keras's own training step on a local copy of the parameters.
 
-    ``version`` is the server's update counter (a variable on a ``ps``
-    task); staleness is measured in its units.
+    Returns ``(step, metric_vars)``: ``step(params, metric_values, data)``
+    gives the gradients with respect to ``params`` (the model's trainable
+    weights, mapped to those tensors by ``keras.StatelessScope``) and the
+    new values of ``metric_vars``, the model's metric variables, also kept
+    locally. The model's non-trainable weights (BatchNorm statistics) are
+    updated in place. Used by Downpour's round and by elastic averaging's.
     """
     from tfdist_ext.model_parallel._placement import stage_gradients
 
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
-    if not trainable:
-        raise ValueError("DownpourStrategy: the model has no trainable weights")
-    optimizer = _built_optimizer(model, strategy)
-    loss_scale = LossScale.of(optimizer)
-    n_fetch, n_push = strategy.n_fetch, strategy.n_push
-    param_bytes = sum(nbytes(v) for v in trainable)
-    nt_bytes = sum(nbytes(v) for v in non_trainable)
-    owner = _integration.overridden_step(model, "train_step")
-    # Staleness policy (the fetch and the apply) and SSP clocks: _staleness.py.
-    server = _staleness.server_side(strategy, trainable, version, owner is not None)
-    bound = strategy.clock_bound()
+    metric_vars = list({id(v): v for v in model.metrics_variables}.values())
 
-    def keras_fetch(worker, slot):
-        """The local copy of the parameters and its source: ``(server version, slot)``.
-
-        ``slot`` (0 or 1) is the worker's backup slot on the ps under
-        ``DelayCompensation`` (see ``round_fn``).
-        """
-        with tf.control_dependencies([bound.before_fetch(worker)]):
-            params, fetched = server.fetch(worker, slot), version.read_value()
-        # The parameters read on the ps (their backup copy under
-        # DelayCompensation) cross as one tensor per ps task.
-        params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
-        return params, (fetched, slot)
-
-    def keras_step(params, metric_values, data):
+    def step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
         metrics' new state (local: see ``round_fn``)."""
         x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
@@ -120,6 +101,42 @@ def build_round(model, strategy, version):
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, [scope.get_current_value(v) for v in metric_vars]
 
+    return step, metric_vars
+
+
+def build_round(model, strategy, version):
+    """The tf.function one worker runs for a round of local steps.
+
+    ``version`` is the server's update counter (a variable on a ``ps``
+    task); staleness is measured in its units.
+    """
+    trainable = list(model.trainable_variables)
+    non_trainable = list(model.non_trainable_variables)
+    if not trainable:
+        raise ValueError("DownpourStrategy: the model has no trainable weights")
+    optimizer = _built_optimizer(model, strategy)
+    loss_scale = LossScale.of(optimizer)
+    n_fetch, n_push = strategy.n_fetch, strategy.n_push
+    param_bytes = sum(nbytes(v) for v in trainable)
+    nt_bytes = sum(nbytes(v) for v in non_trainable)
+    owner = _integration.overridden_step(model, "train_step")
+    # Staleness policy (the fetch and the apply) and SSP clocks: _staleness.py.
+    server = _staleness.server_side(strategy, trainable, version, owner is not None)
+    bound = strategy.clock_bound()
+
+    def keras_fetch(worker, slot):
+        """The local copy of the parameters and its source: ``(server version, slot)``.
+
+        ``slot`` (0 or 1) is the worker's backup slot on the ps under
+        ``DelayCompensation`` (see ``round_fn``).
+        """
+        with tf.control_dependencies([bound.before_fetch(worker)]):
+            params, fetched = server.fetch(worker, slot), version.read_value()
+        # The parameters read on the ps (their backup copy under
+        # DelayCompensation) cross as one tensor per ps task.
+        params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
+        return params, (fetched, slot)
+
     def version_only(worker, slot):
         """The user's step reads the parameters itself: only the source."""
         return [], (version.read_value(), slot)
@@ -131,8 +148,8 @@ def build_round(model, strategy, version):
         return collector.gradients(), metric_values
 
     if owner is None:
-        fetch, step = keras_fetch, keras_step
-        metric_vars = list({id(v): v for v in model.metrics_variables}.values())
+        fetch = keras_fetch
+        step, metric_vars = keras_local_step(model, optimizer, loss_scale)
     else:
         # The user's step reads the variables where they live (n_fetch is 1),
         # and updates its metrics there too.

@@ -79,19 +79,14 @@ class DownpourRuntime:
         return self._version
 
     def round_for(self, model):
-        """The traced round of ``model``: one per (model, optimizer, n_fetch, n_push, compression)."""
+        """The traced round of ``model``: one per model, optimizer and round knobs
+        (``strategy._round_knobs()``: n_fetch, n_push, compression, ...)."""
         strategy = self._strategy
         self._partition(model)
-        key = (
-            id(model),
-            id(model.optimizer),
-            strategy.n_fetch,
-            strategy.n_push,
-            id(strategy.compression),
-        )
+        key = (id(model), id(model.optimizer), *strategy._round_knobs())
         entry = self._rounds.get(key)
         if entry is None or entry[0]() is not model:
-            entry = (weakref.ref(model), _round.build_round(model, strategy, self.server_version()))
+            entry = (weakref.ref(model), strategy._build_round(model, self.server_version()))
             self._rounds[key] = entry
         return entry[1]
 

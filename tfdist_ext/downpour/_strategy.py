@@ -221,6 +221,14 @@ class DownpourStrategy(ParameterServerBase):
             self._bound = _staleness.clock_bound(self)
         return self._bound
 
+    def _round_knobs(self):
+        """What a traced round depends on besides the model and its optimizer."""
+        return (self.n_fetch, self.n_push, id(self.compression))
+
+    def _build_round(self, model, version):
+        """The tf.function a worker runs for one round (``_round.build_round``)."""
+        return _round.build_round(model, self, version)
+
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
         try:

@@ -1,0 +1,243 @@
+"""ElasticAveragingStrategy (asynchronous EASGD) on a real local cluster, through ``model.fit``.
+
+Each cluster test runs in a fresh interpreter (``script``): one process can
+connect to one TensorFlow cluster only.
+"""
+
+import json
+
+import pytest
+
+from tests.test_downpour import PRELUDE
+
+
+def _result(proc):
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
+@pytest.mark.parametrize(
+    "kwargs, named",
+    [
+        ({"alpha": 0.0}, "alpha"),
+        ({"alpha": 1.0}, "alpha"),
+        ({"alpha": -0.5}, "alpha"),
+        ({"alpha": float("nan")}, "alpha"),
+        ({"alpha": "0.1"}, "alpha"),
+        ({"alpha": True}, "alpha"),
+        ({"tau": 0}, "tau"),
+        ({"tau": 2.5}, "tau"),
+        ({"tau": None}, "tau"),
+    ],
+)
+def test_bad_alpha_or_tau_is_refused_at_construction(kwargs, named):
+    import tfdist_ext
+
+    # Checked before the strategy touches the cluster: no resolver needed.
+    with pytest.raises(ValueError, match=f"ElasticAveragingStrategy: {named}"):
+        tfdist_ext.ElasticAveragingStrategy(None, **kwargs)
+
+
+@pytest.mark.timeout(300)
+def test_centre_and_replica_follow_the_easgd_rule_exactly(script):
+    # One worker, so the order of exchanges is fixed: the centre after two
+    # fits must be what EASGD's update (SGD with momentum locally, the
+    # elastic exchange every tau steps, the replica and its momentum kept
+    # between rounds, each fit starting from the centre) gives in NumPy.
+    proc = script(
+        PRELUDE
+        + """
+lr, momentum, alpha, tau, batch = 0.05, 0.5, 0.3, 3, 4
+rng = np.random.default_rng(0)
+x = rng.normal(size=(8, 2)).astype("float32")
+y = (x @ np.array([[2.0], [-1.0]], "float32") + 0.5).astype("float32")
+with LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, alpha=alpha, tau=tau)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).repeat()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((2,)),
+                                  keras.layers.Dense(1, kernel_initializer="ones",
+                                                     bias_initializer="zeros")])
+        model.compile(keras.optimizers.SGD(lr, momentum=momentum), "mse")
+    model.fit(data, epochs=2, steps_per_epoch=12, verbose=0)    # two rounds
+    model.fit(data, epochs=1, steps_per_epoch=12, verbose=0)    # a new fit
+    report(kernel=model.layers[0].kernel.numpy().tolist(),
+           bias=model.layers[0].bias.numpy().tolist(),
+           iterations=int(model.optimizer.iterations), stats=strategy.stats.summary())
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    import numpy as np
+
+    lr, momentum, alpha, tau, batch = 0.05, 0.5, 0.3, 3, 4
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 2)).astype("float32")
+    y = (x @ np.array([[2.0], [-1.0]], "float32") + 0.5).astype("float32")
+    centre = [np.ones((2, 1)), np.zeros(1)]
+    step = 0
+    for fit_steps in (24, 12):
+        replica = [c.copy() for c in centre]
+        velocity = [np.zeros_like(c) for c in centre]
+        for _ in range(fit_steps):
+            start = (step * batch) % len(x)
+            xb, yb = x[start : start + batch], y[start : start + batch]
+            err = xb @ replica[0] + replica[1] - yb
+            grads = [2 * xb.T @ err / batch, 2 * err.sum(0) / batch]
+            velocity = [momentum * v - lr * g for v, g in zip(velocity, grads)]
+            replica = [w + v for w, v in zip(replica, velocity)]
+            step += 1
+            if step % tau == 0:
+                moves = [alpha * (w - c) for w, c in zip(replica, centre)]
+                replica = [w - d for w, d in zip(replica, moves)]
+                centre = [c + d for c, d in zip(centre, moves)]
+    np.testing.assert_allclose(r["kernel"], centre[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(r["bias"], centre[1], rtol=1e-4, atol=1e-5)
+    assert r["iterations"] == 36
+    # 12 exchanges, none stale (one worker), bytes of the model each way per exchange.
+    assert r["stats"]["pushes"] == 12 and r["stats"]["staleness_max"] == 0
+
+
+@pytest.mark.timeout(300)
+def test_two_workers_train_digits_and_evaluate_the_centre(script):
+    proc = script(
+        PRELUDE
+        + """
+keras.utils.set_random_seed(0)
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=4)
+    with strategy.scope():
+        model = compile(mlp(), keras.optimizers.SGD(0.05, momentum=0.9, nesterov=True))
+    h = model.fit(digits_train(), epochs=3, steps_per_epoch=60, verbose=0)
+    _, accuracy = model.evaluate(digits_test(), verbose=0)
+    report(history=h.history, accuracy=accuracy, stats=strategy.stats.summary(),
+           per_worker=strategy.stats.steps_per_worker, config=strategy.get_config())
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    assert r["accuracy"] > 0.9, r
+    assert r["history"]["loss"][-1] < r["history"]["loss"][0]
+    assert set(r["per_worker"]) == {"0", "1"}
+    # Exchanges every tau=4 steps: 180 steps, 45 exchanges.
+    assert r["stats"]["pushes"] == 45 and r["stats"]["rejected_pushes"] == 0
+    assert r["config"] == {
+        "alpha": 0.45,
+        "tau": 4,
+        "min_shard_bytes": 256 << 20,
+        "deadline": 60.0,
+    }
+
+
+@pytest.mark.timeout(300)
+def test_what_easgd_cannot_train_is_refused_before_the_first_step(script):
+    proc = script(
+        PRELUDE
+        + """
+class OwnStep(keras.Sequential):
+    def train_step(self, data):
+        return super().train_step(data)
+
+refused = {}
+with LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=2)
+    cases = {
+        "adam": lambda: compile(mlp(), keras.optimizers.Adam()),
+        "clipnorm": lambda: compile(mlp(), keras.optimizers.SGD(0.1, clipnorm=1.0)),
+        "loss_scale": lambda: compile(
+            mlp(), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))),
+        "train_step": lambda: compile(
+            OwnStep([keras.Input((64,)), keras.layers.Dense(10)]), keras.optimizers.SGD(0.1)),
+    }
+    for name, make in cases.items():
+        with strategy.scope():
+            model = make()
+        batches = []
+        seen = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, l: batches.append(b))
+        try:
+            model.fit(digits_train(), epochs=1, steps_per_epoch=4, verbose=0, callbacks=[seen])
+            refused[name] = None
+        except ValueError as e:
+            refused[name] = [str(e), len(batches)]
+report(refused=refused)
+""",
+        timeout=280,
+    )
+    refused = _result(proc)["refused"]
+    expected = {
+        "adam": "keras.optimizers.SGD",
+        "clipnorm": "clipnorm",
+        "loss_scale": "LossScaleOptimizer",
+        "train_step": "compute_loss override",
+    }
+    for name, words in expected.items():
+        assert refused[name] is not None, f"{name} was not refused"
+        message, batches = refused[name]
+        assert message.startswith("ElasticAveragingStrategy:") and words in message, message
+        assert batches == 0, f"{name} refused only after {batches} batches"
+
+
+@pytest.mark.timeout(300)
+def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(script):
+    proc = script(
+        PRELUDE
+        + """
+keras.utils.set_random_seed(0)
+marks = {}
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=2, deadline=20)
+    with strategy.scope():
+        model = compile(mlp(), keras.optimizers.SGD(0.05, momentum=0.9))
+    model.steps_per_execution = 2   # many short rounds: the restarted worker gets some
+    class Chaos(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+            if epoch == 2:
+                cluster.restart("worker", 1)
+                marks["restarted"] = dict(strategy.stats.steps_per_worker)
+        def on_train_batch_end(self, batch, logs=None):
+            if self.epoch == 0 and batch == 31:
+                cluster.kill("worker", 1)
+                marks["killed_alive"] = cluster.alive("worker", 1)
+    h = model.fit(digits_train(), epochs=4, steps_per_epoch=80, validation_data=digits_test(),
+                  verbose=0, callbacks=[Chaos()])
+    report(history=h.history, stats=strategy.stats.summary(), marks=marks,
+           final=dict(strategy.stats.steps_per_worker))
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    assert r["marks"]["killed_alive"] is False
+    assert len(r["history"]["loss"]) == 4 and r["stats"]["steps"] == 320
+    assert r["history"]["val_accuracy"][-1] > 0.85
+    assert r["final"]["1"] > r["marks"]["restarted"].get("1", 0)
+
+
+@pytest.mark.timeout(300)
+def test_a_diverged_replica_does_not_touch_the_centre(script):
+    proc = script(
+        PRELUDE
+        + """
+keras.utils.set_random_seed(0)
+x, y = datasets.digits("train", flatten=True, as_numpy=True)
+x = x.copy()
+x[::97] = np.nan         # poison every 97th example: about a third of the batches
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=2)
+    poisoned = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
+    with strategy.scope():
+        model = compile(mlp(), keras.optimizers.SGD(0.05))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = model.fit(poisoned, epochs=1, steps_per_epoch=40, verbose=0)
+    finite = all(bool(np.isfinite(v.numpy()).all()) for v in model.trainable_variables)
+    report(rejected=h.history["rejected_pushes"], pushes=h.history["pushes"], finite=finite,
+           warnings=[str(w.message) for w in caught if "NaN" in str(w.message)])
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    assert r["rejected"][0] > 0 and r["pushes"][0] > 0, r
+    assert r["finite"], "a NaN replica reached the centre"
+    assert r["warnings"], "the rejected exchanges were not reported"
