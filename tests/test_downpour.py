@@ -174,17 +174,31 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         assert run["fetch"] == pytest.approx(run["params"] / n), name
 
 
+# The asynchronous strategies survive the same faults: (strategy, optimizer) source.
+ASYNC_STRATEGIES = [
+    pytest.param("DownpourStrategy(cluster.resolver, deadline=20)", "None", id="downpour"),
+    pytest.param(
+        "ElasticAveragingStrategy(cluster.resolver, tau=2, deadline=20)",
+        "keras.optimizers.SGD(0.05, momentum=0.9)",
+        id="easgd",
+    ),
+]
+
+
 @pytest.mark.timeout(300)
-def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(script):
+@pytest.mark.parametrize("make_strategy, optimizer", ASYNC_STRATEGIES)
+def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(
+    script, make_strategy, optimizer
+):
     proc = script(
         PRELUDE
-        + """
+        + f"""
 keras.utils.set_random_seed(0)
-marks = {}
+marks = {{}}
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, deadline=20)
+    strategy = tfdist_ext.{make_strategy}
     with strategy.scope():
-        model = compile(mlp())
+        model = compile(mlp(), {optimizer})
     # Rounds of 2 steps (not the default ~40 here): many dispatches, so the
     # coordinator hands the restarted worker rounds within this short fit.
     model.steps_per_execution = 2

@@ -1,5 +1,7 @@
 """ElasticAveragingStrategy (asynchronous EASGD) on a real local cluster, through ``model.fit``.
 
+The killed-worker test is shared with Downpour (test_downpour.py, ``ASYNC_STRATEGIES``).
+
 Each cluster test runs in a fresh interpreter (``script``): one process can
 connect to one TensorFlow cluster only.
 """
@@ -176,42 +178,6 @@ report(refused=refused)
         message, batches = refused[name]
         assert message.startswith("ElasticAveragingStrategy:") and words in message, message
         assert batches == 0, f"{name} refused only after {batches} batches"
-
-
-@pytest.mark.timeout(300)
-def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(script):
-    proc = script(
-        PRELUDE
-        + """
-keras.utils.set_random_seed(0)
-marks = {}
-with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=2, deadline=20)
-    with strategy.scope():
-        model = compile(mlp(), keras.optimizers.SGD(0.05, momentum=0.9))
-    model.steps_per_execution = 2   # many short rounds: the restarted worker gets some
-    class Chaos(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.epoch = epoch
-            if epoch == 2:
-                cluster.restart("worker", 1)
-                marks["restarted"] = dict(strategy.stats.steps_per_worker)
-        def on_train_batch_end(self, batch, logs=None):
-            if self.epoch == 0 and batch == 31:
-                cluster.kill("worker", 1)
-                marks["killed_alive"] = cluster.alive("worker", 1)
-    h = model.fit(digits_train(), epochs=4, steps_per_epoch=80, validation_data=digits_test(),
-                  verbose=0, callbacks=[Chaos()])
-    report(history=h.history, stats=strategy.stats.summary(), marks=marks,
-           final=dict(strategy.stats.steps_per_worker))
-""",
-        timeout=280,
-    )
-    r = _result(proc)
-    assert r["marks"]["killed_alive"] is False
-    assert len(r["history"]["loss"]) == 4 and r["stats"]["steps"] == 320
-    assert r["history"]["val_accuracy"][-1] > 0.85
-    assert r["final"]["1"] > r["marks"]["restarted"].get("1", 0)
 
 
 @pytest.mark.timeout(300)

@@ -364,14 +364,13 @@ def build_elastic_round(model, strategy, version, generation):
                     to_ps=False,
                 )
                 velocity = [tf.zeros_like(m) for m in velocity]
-        saved = replicas.save(worker, x, velocity)
-        saved += [
-            v.value.assign_add(new - old)
-            for v, new, old in zip(metric_vars, metric_values, metrics_start)
-        ]
-        steps = tf.cast(num_steps, tf.int64)
-        with tf.control_dependencies(saved):
-            steps = tf.identity(steps)
+        steps = _round.after_writes(
+            tf.cast(num_steps, tf.int64),
+            replicas.save(worker, x, velocity),
+            metric_vars,
+            metric_values,
+            metrics_start,
+        )
         return {
             "worker": worker,
             "steps": steps,

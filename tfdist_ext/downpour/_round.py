@@ -246,13 +246,8 @@ def build_round(model, strategy, version):
         # carries over to this worker's next round. PerWorkerVariables get
         # no automatic control dependencies: tie the writes to the outputs.
         saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
-        saved += [
-            v.value.assign_add(new - old)
-            for v, new, old in zip(metric_vars, metric_values, metrics_start)
-        ]
         saved.append(bound.stop(worker))
-        with tf.control_dependencies(saved):
-            steps = tf.identity(steps)
+        steps = after_writes(steps, saved, metric_vars, metric_values, metrics_start)
         return {
             "worker": worker,
             "steps": steps,
@@ -266,6 +261,22 @@ def build_round(model, strategy, version):
         }
 
     return round_fn
+
+
+def after_writes(steps, writes, metric_vars, metric_values, metrics_start):
+    """``steps``, returned only after ``writes`` and the round's metric update.
+
+    The round's metrics, kept locally, are added to the model's metric
+    variables (an atomic add, so concurrent rounds lose no update). Writes
+    to per-worker variables get no automatic control dependencies: tying
+    them to the round's output makes them run.
+    """
+    writes = list(writes) + [
+        v.value.assign_add(new - old)
+        for v, new, old in zip(metric_vars, metric_values, metrics_start)
+    ]
+    with tf.control_dependencies(writes):
+        return tf.identity(steps)
 
 
 def _check_unsplit(trainable, owner):
