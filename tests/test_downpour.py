@@ -174,21 +174,23 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         assert run["fetch"] == pytest.approx(run["params"] / n), name
 
 
-# The asynchronous strategies survive the same faults: (strategy, optimizer) source.
+# The asynchronous strategies survive the same faults: (strategy, optimizer)
+# source, and the local steps each push (EASGD: exchange) carries.
 ASYNC_STRATEGIES = [
-    pytest.param("DownpourStrategy(cluster.resolver, deadline=20)", "None", id="downpour"),
+    pytest.param("DownpourStrategy(cluster.resolver, deadline=20)", "None", 1, id="downpour"),
     pytest.param(
         "ElasticAveragingStrategy(cluster.resolver, tau=2, deadline=20)",
         "keras.optimizers.SGD(0.05, momentum=0.9)",
+        2,
         id="easgd",
     ),
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("make_strategy, optimizer", ASYNC_STRATEGIES)
+@pytest.mark.parametrize("make_strategy, optimizer, _steps_per_push", ASYNC_STRATEGIES)
 def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(
-    script, make_strategy, optimizer
+    script, make_strategy, optimizer, _steps_per_push
 ):
     proc = script(
         PRELUDE
@@ -229,19 +231,23 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 
 @pytest.mark.timeout(300)
-def test_nan_pushes_are_rejected_counted_and_reported(script):
+@pytest.mark.parametrize("make_strategy, optimizer, steps_per_push", ASYNC_STRATEGIES)
+def test_nan_pushes_are_rejected_counted_and_reported(
+    script, make_strategy, optimizer, steps_per_push
+):
+    # EASGD: a replica turned NaN does not exchange with the centre.
     proc = script(
         PRELUDE
-        + """
+        + f"""
 keras.utils.set_random_seed(0)
 x, y = datasets.digits("train", flatten=True, as_numpy=True)
 x = x.copy()
 x[::97] = np.nan         # poison every 97th example: about a third of the batches
 with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+    strategy = tfdist_ext.{make_strategy}
     poisoned = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).repeat()
     with strategy.scope():
-        model = compile(mlp())
+        model = compile(mlp(), {optimizer})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         h = model.fit(poisoned, epochs=1, steps_per_epoch=30, verbose=0)
@@ -252,7 +258,7 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         timeout=280,
     )
     r = _result(proc)
-    assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == 30
+    assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == 30 // steps_per_push
     assert r["finite"], "server parameters must stay finite"
     assert r["warnings"] and "rejected" in r["warnings"][0]
 

@@ -344,6 +344,11 @@ def _make_sharded_variables_readable():
         cls.numpy = lambda self: tf.convert_to_tensor(self).numpy()
 
 
+def split_paths(variables):
+    """Paths of the (Keras) ``variables`` split across ``ps`` tasks (``ShardedVariable``)."""
+    return [v.path for v in variables if isinstance(v.value, _integration.ShardedVariable)]
+
+
 def components(variable):
     """The ``tf.Variable`` pieces of a (Keras, sharded or plain) variable, in axis-0 order."""
     value = getattr(variable, "_value", variable)

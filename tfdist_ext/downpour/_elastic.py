@@ -7,6 +7,7 @@ import tensorflow as tf
 
 from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import positive_int
+from tfdist_ext.cluster._ps_strategy import split_paths
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour._strategy import DownpourStrategy
 
@@ -191,11 +192,7 @@ def check_trainable(model):
             f"{name}: the local SGD step does not implement {', '.join(used)} of the "
             "compiled optimizer; compile keras.optimizers.SGD without them"
         )
-    split = [
-        v.path
-        for v in model.trainable_variables
-        if isinstance(v.value, _integration.ShardedVariable)
-    ]
+    split = split_paths(model.trainable_variables)
     if split:
         raise ValueError(
             f"{name}: every replica's copy is kept next to its weight on the ps; "
@@ -300,7 +297,6 @@ def build_elastic_round(model, strategy, version, generation):
     trainable = list(model.trainable_variables)
     if not trainable:
         raise ValueError("ElasticAveragingStrategy: the model has no trainable weights")
-    check_trainable(model)
     optimizer = _round._built_optimizer(model, strategy)
     step, metric_vars = _round.keras_local_step(model, optimizer, _round.LossScale())
     momentum, nesterov = float(optimizer.momentum), bool(optimizer.nesterov)

@@ -39,6 +39,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.cluster._ps_strategy import split_paths
 from tfdist_ext.downpour import _staleness
 
 
@@ -280,7 +281,7 @@ def after_writes(steps, writes, metric_vars, metric_values, metrics_start):
 
 
 def _check_unsplit(trainable, owner):
-    split = [v.path for v in trainable if isinstance(v.value, _integration.ShardedVariable)]
+    split = split_paths(trainable)
     if split:
         raise ValueError(
             f"DownpourStrategy: {owner.__name__}.train_step cannot differentiate "

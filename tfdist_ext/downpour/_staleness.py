@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfdist_ext import _integration
 from tfdist_ext.cluster._local import ClusterTimeoutError
+from tfdist_ext.cluster._ps_strategy import split_paths
 
 _SSP_TIMEOUT = "DownpourStrategy max_staleness:"
 
@@ -258,7 +259,7 @@ class _DelayCompensated(_Plain):
                 "(no fetch). Use StalenessAwareLR, or a compute_loss override instead "
                 "of train_step."
             )
-        split = [v.path for v in trainable if isinstance(v.value, _integration.ShardedVariable)]
+        split = split_paths(trainable)
         if split:
             raise ValueError(
                 "DownpourStrategy: DelayCompensation keeps each worker's fetched copy "
