@@ -40,6 +40,10 @@ What we rely on, and why no public API does it:
   create each on its stage's device; ``KerasVariable._value``,
   ``tf.Variable._distribute_strategy`` and the optimizer's slot index, to move
   a variable a plan places elsewhere.
+* For the piece-by-piece update of a variable split across ``ps`` tasks:
+  ``KerasVariable._value`` (a slot points at its piece while the update is
+  traced) and ``TFOptimizer._var_key``'s ``_distributed_container`` hook (how
+  the piece finds its variable's slots).
 * ``ParameterServerStrategyV2Extended``: Downpour and Sandblaster place
   variables through a subclass of it, which :func:`use_extended` installs
   in place of the one TensorFlow's ``__init__`` builds.
@@ -162,6 +166,8 @@ if TensorFlowTrainer is not None:
     _check(TensorFlowTrainer, "get_metrics_result")
 if TFOptimizer is not None:
     _check(TFOptimizer, "_all_reduce_sum_gradients", params=("grads_and_vars",))
+    # A split variable's piece finds its slots through this hook (_ps_strategy).
+    _check_source(TFOptimizer._var_key, "_distributed_container")
 _check(keras.optimizers.Optimizer, "apply", params=("grads", "trainable_variables"))
 _check(keras.optimizers.LossScaleOptimizer, "apply", params=("grads", "trainable_variables"))
 # LARS (optimizers/_lars.py) replaces Keras's decoupled weight decay by its own
@@ -429,6 +435,24 @@ def swap_variable(variable, tf_variable):
     """Makes ``keras.Variable`` ``variable`` hold ``tf_variable`` (e.g. a copy on
     another device): every Keras reference to ``variable`` sees the new one."""
     variable._value = tf_variable
+
+
+@contextlib.contextmanager
+def swapped_variable(variable, tf_variable):
+    """Within the block, ``keras.Variable`` ``variable`` holds ``tf_variable``
+    (for tracing: a split slot's piece while that piece is updated)."""
+    original = variable._value
+    variable._value = tf_variable
+    try:
+        yield
+    finally:
+        variable._value = original
+
+
+def variable_value(variable):
+    """The ``tf.Variable`` (or ``ShardedVariable``) behind a ``keras.Variable``;
+    anything else is returned as it is."""
+    return getattr(variable, "_value", variable)
 
 
 def variable_strategy(tf_variable):

@@ -10,8 +10,10 @@ task pinged with a deadline before TensorFlow connects (a dead task is a clear
 error, not a hang). Importing this module imports TensorFlow.
 """
 
+import contextlib
 import gc
 import threading
+import weakref
 
 import keras
 import numpy as np
@@ -274,7 +276,9 @@ class PlacementExtended(_PSSV2Extended):
     * Whole variables go to the ``ps`` shard holding the fewest bytes
       (TensorFlow's default is round robin by count).
     * Optimizer slots of a split variable are split the same way.
-    * ``update`` also takes a split (``ShardedVariable``) variable.
+    * ``update`` also takes a split (``ShardedVariable``) variable; within
+      :meth:`per_shard_updates` an elementwise optimizer updates it shard by
+      shard, each on its own ``ps`` task.
     * Updates are applied from a cross-replica context without
       ``merge_call``; Keras's optimizer then calls ``update`` per variable,
       which runs on the variable's ``ps`` task.
@@ -289,6 +293,10 @@ class PlacementExtended(_PSSV2Extended):
         self._cluster_resolver = cluster_resolver
         self._ps_bytes = [0] * self._num_ps
         self._placement_lock = threading.Lock()
+        # id(slot) -> (slot, its variable), weakly: the slots of split variables.
+        self._split_slots = {}
+        # id(split variable) -> its slots as Keras variables, within per_shard_updates.
+        self._shard_slots = None
         self._allow_run_without_coordinator = True
 
     def shard_bytes(self):
@@ -310,22 +318,136 @@ class PlacementExtended(_PSSV2Extended):
 
     def _update(self, var, fn, args, kwargs, group):
         """A whole variable is updated on the ``ps`` task that owns it
-        (TensorFlow's colocation). A split (``ShardedVariable``) one cannot be
-        colocated: its update is computed where the caller runs and written
-        back shard by shard."""
-        if isinstance(var, _integration.ShardedVariable):
+        (TensorFlow's colocation). A split (``ShardedVariable``) one is
+        updated piece by piece, each on its own ``ps`` task, within
+        :meth:`per_shard_updates`; otherwise its update is computed where the
+        caller runs and written back piece by piece."""
+        if not isinstance(var, _integration.ShardedVariable):
+            return super()._update(var, fn, args, kwargs, group)
+        slots = self._slots_to_split(var, args, kwargs)
+        if slots is None:
             with _integration.distribute_lib.UpdateContext(var.variables[0].device):
                 return fn(var, *args, **kwargs)
-        return super()._update(var, fn, args, kwargs, group)
+        pieces = tf.split(args[0], [p.shape[0] for p in var.variables], axis=0)
+        results = []
+        for i, (variable_piece, gradient_piece) in enumerate(zip(var.variables, pieces)):
+            with contextlib.ExitStack() as stack:
+                for slot in slots:
+                    slot_piece = _integration.variable_value(slot).variables[i]
+                    stack.enter_context(_integration.swapped_variable(slot, slot_piece))
+                stack.enter_context(tf.device(variable_piece.device))
+                stack.enter_context(
+                    _integration.distribute_lib.UpdateContext(variable_piece.device)
+                )
+                results.append(fn(_ShardView(variable_piece, var), gradient_piece, *args[1:]))
+        return results
+
+    def _slots_to_split(self, var, args, kwargs):
+        """The optimizer's slots (Keras variables) of split ``var`` when its
+        update may run piece by piece (within :meth:`per_shard_updates`, a
+        dense gradient, every slot split like ``var``), else ``None``."""
+        slots = None if self._shard_slots is None else self._shard_slots.get(id(var))
+        if slots is None or kwargs or not _dense_gradient_of(var, args):
+            return None
+        rows = [p.shape[0] for p in var.variables]
+        for slot in slots:
+            if [p.shape[0] for p in _integration.variable_value(slot).variables] != rows:
+                return None
+        return slots
+
+    @contextlib.contextmanager
+    def per_shard_updates(self, optimizer, variables):
+        """Within the block, ``optimizer`` (traced) updates each split variable
+        shard by shard, each shard on its own ``ps`` task: only the
+        gradient's piece crosses to each task, and the tasks work in
+        parallel. Without it the whole update of a split variable (reading
+        every piece of its slots) runs in one place. Only for optimizers whose
+        update is elementwise (:data:`ELEMENTWISE_OPTIMIZERS`); others keep
+        the whole-variable update (e.g. ``Lamb``'s layer-wise norms).
+        """
+        if type(optimizer) not in ELEMENTWISE_OPTIMIZERS or not optimizer.built:
+            yield
+            return
+        split = [_integration.variable_value(v) for v in variables]
+        slots = {id(v): [] for v in split if isinstance(v, _integration.ShardedVariable)}
+        for v in optimizer.variables:
+            value = _integration.variable_value(v)
+            entry = self._split_slots.get(id(value))
+            if entry is not None and entry[0]() is value and id(entry[1]()) in slots:
+                slots[id(entry[1]())].append(v)
+        previous, self._shard_slots = self._shard_slots, slots
+        try:
+            yield
+        finally:
+            self._shard_slots = previous
 
     def _create_variable(self, next_creator, **kwargs):
         """Keras creates a slot "colocated" with its variable; a
         ``ShardedVariable`` cannot be colocated with, so the slot of a split
         variable goes through the partitioner instead, which splits it like
         the variable across the ``ps`` tasks."""
-        if isinstance(kwargs.get("colocate_with"), _integration.ShardedVariable):
-            kwargs.pop("colocate_with")
-        return super()._create_variable(next_creator, **kwargs)
+        reference = kwargs.get("colocate_with")
+        if not isinstance(reference, _integration.ShardedVariable):
+            return super()._create_variable(next_creator, **kwargs)
+        kwargs.pop("colocate_with")
+        slot = super()._create_variable(next_creator, **kwargs)
+        if isinstance(slot, _integration.ShardedVariable):
+            self._split_slots[id(slot)] = (weakref.ref(slot), weakref.ref(reference))
+        return slot
+
+
+#: Keras optimizers whose update of a variable is elementwise (so a split
+#: variable may be updated piece by piece); exact classes, not subclasses.
+ELEMENTWISE_OPTIMIZERS = (
+    keras.optimizers.SGD,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.Adamax,
+    keras.optimizers.Nadam,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Ftrl,
+    keras.optimizers.Lion,
+)
+
+
+def _dense_gradient_of(var, args):
+    """Whether ``args`` starts with a dense gradient of ``var``'s whole shape."""
+    return (
+        bool(args)
+        and isinstance(args[0], tf.Tensor)
+        and args[0].shape.is_compatible_with(var.shape)
+        and args[0].shape.rank is not None
+        and args[0].shape.rank > 0
+    )
+
+
+class _ShardView:
+    """One piece of a split variable as an optimizer's ``update_step`` sees it.
+
+    It reads and assigns like the piece, and Keras finds its slots by the
+    split variable it belongs to (``_distributed_container``, the hook Keras's
+    ``_var_key`` follows for a distributed variable's component).
+    """
+
+    def __init__(self, piece, container):
+        self._piece = piece
+        self._container = container
+
+    def _distributed_container(self):
+        return self._container
+
+    def __getattr__(self, name):
+        return getattr(self._piece, name)
+
+
+tf.register_tensor_conversion_function(
+    _ShardView,
+    lambda view, dtype=None, name=None, as_ref=False: tf.convert_to_tensor(
+        view._piece, dtype=dtype, name=name
+    ),
+)
 
 
 def _make_sharded_variables_readable():
@@ -351,7 +473,7 @@ def split_paths(variables):
 
 def components(variable):
     """The ``tf.Variable`` pieces of a (Keras, sharded or plain) variable, in axis-0 order."""
-    value = getattr(variable, "_value", variable)
+    value = _integration.variable_value(variable)
     if isinstance(value, _integration.ShardedVariable):
         return list(value.variables)
     return [value]

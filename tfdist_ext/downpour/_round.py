@@ -463,9 +463,10 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
 
     def apply(grads, steps, origin):
         # Cross-replica context: each variable's update runs on the ps task
-        # that owns it (extended.update colocates). Keras counts 1; the push
-        # carries `steps` training steps.
-        server.apply(optimizer, grads, *origin)
+        # that owns it (extended.update colocates; a split one, piece by piece
+        # on each piece's task). Keras counts 1; the push carries `steps`.
+        with strategy.extended.per_shard_updates(optimizer, trainable):
+            server.apply(optimizer, grads, *origin)
         with tf.control_dependencies([iterations.assign_add(steps - 1)]):
             loss_scale.after_accepted()
             return tf.constant(True)
