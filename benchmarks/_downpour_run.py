@@ -110,9 +110,8 @@ def time_to_accuracy(cfg):
         )
     if cfg.get("warmup"):  # traced before the clock starts (and before any throttle)
         model.fit(train, epochs=1, steps_per_epoch=cfg["warmup"], verbose=0)
-        # No function may be first registered on the cluster while a worker
-        # is throttled: the registration waits for the stopped worker holding
-        # the GIL that the throttle thread needs to continue it.
+        # Every function is registered on the cluster before the clock (and
+        # the throttle) starts.
         model.evaluate(test, verbose=0)
         if strategy is not None and hasattr(strategy, "stats"):
             strategy.stats.reset()

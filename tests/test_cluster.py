@@ -295,3 +295,44 @@ def test_server_is_quiet_warns_and_stops_on_ctrl_c():
     warning = [l for l in stderr.splitlines() if "SECURITY.md" in l]
     assert len(warning) == 1 and f"port {port}" in warning[0], stderr
     assert not any(noise in stderr for noise in _START_UP_NOISE), stderr
+
+
+@pytest.mark.timeout(120)
+def test_throttle_keeps_cycling_while_this_process_holds_the_gil():
+    # The stop/continue cycle runs in its own process: a long call holding
+    # this process's GIL (a C-level regex scan here; a TensorFlow call that
+    # waits for the throttled task in the real case) neither freezes the
+    # task stopped nor stops the cycle. An observer process samples the
+    # task's state (/proc) while this one holds the GIL.
+    import re as regex
+
+    observer = textwrap.dedent(
+        """
+        import collections, sys, time
+        pid, seconds = int(sys.argv[1]), float(sys.argv[2])
+        seen = collections.Counter()
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            with open(f"/proc/{pid}/stat") as f:
+                seen[f.read().rsplit(")", 1)[1].split()[0]] += 1
+            time.sleep(0.002)
+        print(seen["T"], sum(seen.values()))
+        """
+    )
+    with LocalCluster(num_workers=1, num_ps=0) as cluster:
+        pid = cluster.pid("worker", 0)
+        with cluster.throttle("worker", 0, slowdown=4, period=0.05):
+            time.sleep(0.2)
+            watch = subprocess.Popen(
+                [sys.executable, "-c", observer, str(pid), "1.0"], stdout=subprocess.PIPE, text=True
+            )
+            # One call of about 2 s that holds the GIL throughout (the
+            # observer's second starts within it).
+            regex.match(r"(a+)+$", "a" * 26 + "b")
+            stopped, samples = map(int, watch.communicate(timeout=30)[0].split())
+        # Stopped about 3/4 of the time, running the rest, while the GIL was held.
+        assert samples > 50 and 0.4 < stopped / samples < 0.97, (stopped, samples)
+        # Continued after the block, and it answers.
+        with open(f"/proc/{pid}/stat") as f:
+            assert f.read().rsplit(")", 1)[1].split()[0] != "T"
+        assert cluster.ping()["worker:0"]

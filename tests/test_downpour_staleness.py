@@ -37,11 +37,8 @@ def fit_and_reload(strategy, path, during=None, **fit_kwargs):
     # A digits MLP trained with the strategy: its losses, and whether the
     # saved and reloaded model predicts the same. With `during` (a context,
     # e.g. a throttle): a first unmeasured fit traces the round, then the
-    # measured one runs within `during`.
-    # (One dataset for both fits: a new one would register its per-worker
-    # iterator function on the throttled worker, and the chief's registration
-    # call waits for the stopped process while holding the GIL that the
-    # throttle thread needs to continue it.)
+    # measured one runs within `during` (tracing and registering functions
+    # on a throttled worker would only slow the measured fit).
     with strategy.scope():
         model = digits_mlp()
     train = digits_train()

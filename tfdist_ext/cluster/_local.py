@@ -503,14 +503,11 @@ class LocalCluster:
         ``(1 - 1/slowdown)`` of every ``period`` seconds and continued
         (SIGCONT) for the rest, so everything it does -- computing, answering
         RPCs -- runs at ``1/slowdown`` of its speed. It is always continued
-        when the block ends.
-
-        Known issue: it can deadlock if the chief registers a new TensorFlow
-        function on the cluster (e.g. a first ``fit``/``evaluate`` or a new
-        dataset's iterator) while the task is stopped, because the
-        registration waits for the stopped task while holding the GIL this
-        throttle's thread needs to continue it; run everything once (trace
-        and register every function) before entering the ``with`` block.
+        when the block ends. The stop/continue cycle runs in a small process
+        of its own, not in a thread of this one, so nothing this process
+        does while holding the GIL (a TensorFlow call that waits for the
+        stopped task) can leave the task stopped; that process also
+        continues the task and exits if this one dies.
 
         Example:
           >>> with cluster.throttle("worker", 1, slowdown=4):  # doctest: +SKIP
@@ -522,24 +519,19 @@ class LocalCluster:
             raise ValueError(f"LocalCluster.throttle: period must be > 0, got {period!r}")
         pid = self._task(job, index).process.pid
         running = period / slowdown
-        done = threading.Event()
-
-        def cycle():
-            while not done.is_set():
-                _signal(pid, signal.SIGSTOP)
-                if done.wait(period - running):
-                    break
-                _signal(pid, signal.SIGCONT)
-                done.wait(running)
-            _signal(pid, signal.SIGCONT)
-
-        thread = threading.Thread(target=cycle, name=f"throttle-{job}-{index}", daemon=True)
-        thread.start()
+        cycler = subprocess.Popen(
+            [sys.executable, "-c", _THROTTLE, str(pid), repr(period - running), repr(running)],
+            stdin=subprocess.DEVNULL,
+        )
         try:
             yield
         finally:
-            done.set()
-            thread.join(timeout=5.0)
+            cycler.terminate()
+            try:
+                cycler.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                cycler.kill()
+                cycler.wait(timeout=5.0)
             _signal(pid, signal.SIGCONT)
 
     # -- inspection ----------------------------------------------------------
@@ -765,6 +757,33 @@ def _leave_hub(hub):
         _HUB_ENTRIES["count"] -= 1
         if _HUB_ENTRIES["count"] == 0:
             hub.leave()
+
+
+#: The stop/continue cycle of ``LocalCluster.throttle``, run as
+#: ``python -c _THROTTLE PID STOPPED_SECONDS RUNNING_SECONDS``. It continues
+#: the task and exits on SIGTERM, when the task is gone, or when its parent
+#: (the chief) is.
+_THROTTLE = """
+import os, signal, sys, time
+pid, stopped, running = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+parent = os.getppid()
+def finish(*_):
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+    sys.exit(0)
+signal.signal(signal.SIGTERM, finish)
+try:
+    while os.getppid() == parent:
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(stopped)
+        os.kill(pid, signal.SIGCONT)
+        time.sleep(running)
+except ProcessLookupError:
+    pass
+finish()
+"""
 
 
 def _signal(pid, sig):
