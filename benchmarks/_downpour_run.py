@@ -90,6 +90,25 @@ def _strategy(cfg):
     return strategy, cluster
 
 
+def _cpu_seconds(pids):
+    """User + system CPU seconds used so far by the processes ``pids`` (from ``/proc``)."""
+    total = 0.0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _tasks(cluster):
+    """``{"chief": [pid], "ps": [...], "worker": [...]}``: this process and the cluster's."""
+    tasks = {"chief": [os.getpid()], "ps": [], "worker": []}
+    if cluster is not None:
+        tasks["ps"] = [cluster.pid("ps", i) for i in range(cluster.num_ps)]
+        tasks["worker"] = [cluster.pid("worker", i) for i in range(cluster.num_workers)]
+    return tasks
+
+
 def time_to_accuracy(cfg):
     import keras
     import tensorflow as tf
@@ -176,10 +195,19 @@ def throughput(cfg):
         model = _mlp(keras, 784, 512) if cfg["model"] == "mlp" else _cnn(keras)
         _compile(keras, model, 0.01)
     model.fit(train, epochs=1, steps_per_epoch=cfg["steps"] // 4, verbose=0)  # warm-up
+    tasks = _tasks(cluster)
+    cpu_before = {job: _cpu_seconds(pids) for job, pids in tasks.items()}
     start = time.perf_counter()
     model.fit(train, epochs=1, steps_per_epoch=cfg["steps"], verbose=0)
     seconds = time.perf_counter() - start
-    out = {"examples_per_second": batch * cfg["steps"] / seconds, "seconds": seconds}
+    cpu = {job: _cpu_seconds(pids) - cpu_before[job] for job, pids in tasks.items()}
+    out = {
+        "examples_per_second": batch * cfg["steps"] / seconds,
+        "seconds": seconds,
+        # CPU milliseconds per step (one batch of 64) of each kind of process,
+        # all of its tasks together: what the machine's cores must supply.
+        "cpu_ms_per_step": {job: 1e3 * c / cfg["steps"] for job, c in cpu.items()},
+    }
     if cluster:
         out["steps_per_worker"] = strategy.stats.steps_per_worker
         _report(out)
@@ -201,6 +229,7 @@ def profile(cfg):
 
     from tfdist_ext import datasets
     from tfdist_ext.downpour import _round
+    from tfdist_ext.downpour import _staleness
 
     strategy, cluster = _strategy(dict(cfg, system="downpour", workers=1))
     keras.utils.set_random_seed(cfg["seed"])
@@ -231,11 +260,14 @@ def profile(cfg):
         trainable,
         sum(_round.nbytes(v) for v in trainable),
         _round.LossScale(),
+        _staleness.server_side(strategy, trainable, None),
     )
+    zero = tf.constant(0, tf.int64)
 
     @tf.function
     def push_zero():
-        accepted, _, _ = push([tf.zeros(v.shape, v.dtype) for v in trainable], [], 0, 1)
+        grads = [tf.zeros(v.shape, v.dtype) for v in trainable]
+        accepted, _, _ = push(grads, [], zero, tf.constant(1, tf.int64), (0, zero, zero))
         return accepted
 
     runtime = strategy._runtime
@@ -250,14 +282,6 @@ def profile(cfg):
             out.append(time.perf_counter() - start)
         return float(np.median(out)) * 1e3
 
-    def cpu(pids):
-        total = 0.0
-        for pid in pids:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        return total
-
     out = {
         "empty_ms": timed(empty),
         "fetch_ms": timed(fetch),
@@ -269,6 +293,7 @@ def profile(cfg):
         "worker": [cluster.pid("worker", 0)],
         "chief": [os.getpid()],
     }
+    cpu = _cpu_seconds
     before = {k: cpu(v) for k, v in tasks.items()}
     time.sleep(2.0)
     out["idle_cpu_share_per_task"] = {k: (cpu(v) - before[k]) / 2.0 for k, v in tasks.items()}

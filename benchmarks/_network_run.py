@@ -11,8 +11,9 @@
   its own veth counters (``/proc/self/net/dev`` in its namespace) and
   evaluating held-out accuracy every ``chunk`` steps.
 * ``system="downpour"``: this process is the chief of a ``DownpourStrategy``
-  over 2 workers and ``ps`` shards; the counters of every task's namespace are
-  read through ``/proc/PID/net/dev``.
+  over 2 workers and ``ps`` shards; it trains one ``fit`` per chunk (see
+  :func:`train_in_fits`) and reads the counters of every task's namespace
+  through ``/proc/PID/net/dev``.
 
 Training seconds exclude evaluation and a first warm-up fit (which traces).
 A run stops once held-out accuracy reaches ``target`` (when given), after ``max_steps`` steps, or once training
@@ -120,6 +121,43 @@ def train(keras, net, dataset, cfg, accuracy, counters, warmup):
         "chunks": progress.chunks,
         "steps": progress.curve[-1][0],
     }
+
+
+def train_in_fits(net, dataset, cfg, accuracy, counters, warmup):
+    """Downpour: trains ``net`` one ``fit`` of ``cfg["chunk"]`` steps at a time, evaluating between.
+
+    Downpour's rounds run asynchronously: during a single ``fit`` the
+    workers keep training while a callback evaluates, so a callback's clock
+    and byte counters would miss the steps and bytes of the rounds in
+    flight. Each ``fit`` returns only when all of its rounds have finished,
+    so every timed chunk holds exactly its steps, their seconds (including
+    the rounds' drain at the chunk's end) and their bytes. A first, untimed
+    fit of ``warmup`` steps traces.
+    """
+    net.fit(dataset, epochs=1, steps_per_epoch=warmup, verbose=0)
+    curve, chunks = [[warmup, 0.0, accuracy()]], []
+    done, trained, reached = warmup, 0.0, None
+    target, budget = cfg.get("target"), cfg.get("budget_seconds", float("inf"))
+    while done < cfg["max_steps"] and reached is None and trained < budget:
+        steps = min(cfg["chunk"], cfg["max_steps"] - done)
+        before = counters()
+        start = time.perf_counter()
+        net.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        seconds = time.perf_counter() - start
+        chunks.append(
+            {
+                "seconds": seconds,
+                "steps": steps,
+                "step_times": [seconds / steps],
+                "before": before,
+                "after": counters(),
+            }
+        )
+        done, trained = done + steps, trained + seconds
+        curve.append([done, round(trained, 3), accuracy()])
+        if target is not None and curve[-1][2] >= target:
+            reached = trained
+    return {"curve": curve, "seconds_to_target": reached, "chunks": chunks, "steps": done}
 
 
 def _progress(keras):
@@ -418,15 +456,16 @@ def downpour(cfg):
             net.compile(
                 keras.optimizers.Adagrad(cfg["downpour_lr"]),
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                steps_per_execution=cfg["chunk"] // 2,
+                # Rounds of a quarter chunk (at least n steps): two a worker.
+                steps_per_execution=max(cfg["n"], cfg["chunk"] // 4),
             )
         tasks = {f"task{i}": pid for i, pid in enumerate(cluster.pids())}
 
         def counters():
             return {name: net_bytes(pid) for name, pid in tasks.items()}
 
-        out = train(
-            keras, net, train_data, cfg, lambda: _accuracy(net, xt, yt), counters, cfg["chunk"] // 2
+        out = train_in_fits(
+            net, train_data, cfg, lambda: _accuracy(net, xt, yt), counters, cfg["chunk"] // 2
         )
         _summarise(out, out.pop("chunks"))
         out.update(local_costs("ps", cfg["hidden"]))

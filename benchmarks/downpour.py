@@ -38,10 +38,13 @@ def _interleave(configs, repeats):
     return samples
 
 
-def throughput(
+def throughput_samples(
     models=("mlp", "cnn"), workers=(1, 2), ns=(1, 5), steps=200, repeats=3, seed=0, baseline=None
 ):
-    """Examples/s of plain Keras (one thread) and Downpour, interleaved: ``{model: {system: [...]}}``.
+    """Runs of plain Keras (one thread) and Downpour, interleaved: ``{model: {system: [run]}}``.
+
+    Each run is the result of ``_downpour_run.throughput`` (examples/s and the
+    CPU milliseconds per step of each kind of process).
 
     ``baseline``: another checkout whose Downpour runs join the same
     interleaving as ``baseline-downpour-...`` (before/after comparisons).
@@ -67,9 +70,20 @@ def throughput(
                 configs[f"downpour-{w}w-n{n}"] = cfg
                 if baseline:
                     configs[f"baseline-downpour-{w}w-n{n}"] = dict(cfg, repo=baseline)
-        samples = _interleave(configs, repeats)
-        out[model] = {k: [s["examples_per_second"] for s in v] for k, v in samples.items()}
+        out[model] = _interleave(configs, repeats)
     return out
+
+
+def throughput(models=("mlp", "cnn"), **kwargs):
+    """Examples/s of plain Keras (one thread) and Downpour, interleaved: ``{model: {system: [...]}}``.
+
+    Keyword arguments: those of :func:`throughput_samples`.
+    """
+    samples = throughput_samples(models, **kwargs)
+    return {
+        model: {k: [s["examples_per_second"] for s in v] for k, v in runs.items()}
+        for model, runs in samples.items()
+    }
 
 
 def run(quick=False, seed=0):

@@ -151,7 +151,9 @@ def run(quick=False, seed=0):
                 system="downpour",
                 n=n,
                 ps=ps,
-                chunk=4 * chunk,
+                # Each chunk is one fit (see _network_run.train_in_fits) of
+                # four rounds, two a worker, so that both keep busy.
+                chunk=max(4 * chunk, 4 * n),
                 max_steps=8 * steps,
                 downpour_lr=DOWNPOUR_LR,
             )
@@ -303,8 +305,10 @@ def _notes(quick, seed, dense_steps):
         "time and a first untimed warm-up fit (1 step synchronous, half a chunk Downpour; it "
         "traces, and its steps count) are excluded.",
         "step s: synchronous rows, the median over timed steps of the slower worker, from a "
-        "callback; Downpour rows, training seconds / steps (its rounds run asynchronously, so "
-        "per-batch callback times mean nothing), including the fit's final wait for them.",
+        "callback; Downpour rows, training seconds / steps, each chunk one fit of four rounds "
+        "(two a worker) that returns when they have finished, drain included. (Results before "
+        "2026-11-25 timed Downpour in one fit with a callback, whose clock and counters missed "
+        "the rounds that kept training during each evaluation: optimistic, most at n = 20.)",
         "Bytes: veth counters (/proc/PID/net/dev) of every task's namespace over the timed "
         "training (read at each evaluation), so TCP/IP, gRPC and protocol overhead count; the busiest link's "
         "larger direction per step. Ideal step = compute + busiest-link bytes x 8 / link rate "
