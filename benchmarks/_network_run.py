@@ -336,17 +336,47 @@ def apply_seconds(hidden, repeats=10, seed=0):
     return statistics.median(times)
 
 
+def factorise_seconds(hidden, repeats=10, seed=0):
+    """Median seconds of PowerSGD's local work on every gradient of :func:`model`, one thread.
+
+    ``PowerSGD.exchange`` with an identity in place of its two all-reduce
+    rounds: the error feedback, the matrix products, the orthogonalisation
+    and the reconstruction each worker computes. The strategy's clock for
+    PowerSGD spans its rounds, so this is measured on its own.
+    """
+    import tensorflow as tf
+
+    from tfdist_ext import compression as C
+
+    compressor, _ = _compressor(C, "powersgd", 100)
+    tf.random.set_seed(seed)
+    grads = [tf.random.normal(shape) for shape in shapes(hidden)]
+    states = [compressor.init(shape, tf.float32) for shape in shapes(hidden)]
+
+    @tf.function
+    def factorise():
+        return [compressor.exchange(g, s, 1, lambda t: t)[0] for g, s in zip(grads, states)]
+
+    [t.numpy() for t in factorise()]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        [t.numpy() for t in factorise()]
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def local_costs(method, hidden):
     """The local per-step costs the scaling model needs beside compute (see ``scaling_model``).
 
     ``aggregate_seconds``: {senders: seconds} of :func:`aggregate_seconds` at 2
     and 8 senders (gather exchanges); ``apply_seconds``: :func:`apply_seconds`
-    (Downpour).
+    (Downpour); ``factorise_seconds``: :func:`factorise_seconds` (PowerSGD).
     """
     if method == "ps":
         return {"apply_seconds": apply_seconds(hidden)}
     if method == "powersgd":
-        return {"aggregate_seconds": None}
+        return {"aggregate_seconds": None, "factorise_seconds": factorise_seconds(hidden)}
     return {"aggregate_seconds": {str(k): aggregate_seconds(method, hidden, k) for k in (2, 8)}}
 
 

@@ -107,6 +107,7 @@ def _row(link, model, cfg, out, compute):
         # Local costs for scaling_model (absent from results before they were recorded).
         "aggregate_seconds": out.get("aggregate_seconds"),
         "apply_seconds": out.get("apply_seconds"),
+        "factorise_seconds": out.get("factorise_seconds"),
         "busiest_link_bytes": busiest,
         "logical_bytes": logical,
         "link_bytes_per_step": out["link_bytes_per_step"],

@@ -16,28 +16,37 @@ over N workers, each on a full-duplex link of B bits/s, sending m tensors
       T = c + a(N) + m o + (N-1) m alpha_hop + beta * (N-1) * 8 s / B
 
 * sharded parameter servers (Downpour, k shards, N workers, push and fetch of
-  S bytes of float32 parameters every n steps) as a closed queueing network:
-  a worker's own step, and each shard's service demand per system step (one
-  worker's batch): its link share, the Adagrad update of its share of the
-  parameters (A for all of them) and its messages. Throughput is capped by
-  the busiest shard (its utilisation reaches 1)::
+  S bytes of float32 parameters every n steps) as a closed queueing network
+  solved by exact mean value analysis (MVA). Each worker cycles through n
+  local steps on its own cores (a delay, Z), then a push, which holds each
+  shard's inbound link for its share of the bytes and the shard's Adagrad
+  update of its share (A for all the parameters), then a fetch, which holds
+  each shard's outbound link (the round fetches after its push is applied,
+  so the two do not overlap for one worker). With w the wire time of S::
 
-      W = c + m (o + alpha_hop) + beta * 8 S / (n B)
-      D = (beta * 8 S / B + A) / (k n) + (m / k) o
-      T = max(W / N, D)
+      w = beta * 8 S / B,   Z = n (c + m (o + alpha_hop))
+      D_in = (w + A) / k,   D_out = w / k        (per shard, per cycle)
+      for j = 1..N:  R_s = D_s (1 + Q_s),  X = j / (Z + k (R_in + R_out)),
+                     Q_s = X R_s
+      T = 1 / (X n)        (seconds per system step, one worker's batch)
+
+  One worker pays Z + 2w + A per cycle; many saturate the busiest shard
+  (T tends to (w + A) / (k n)).
 
 ``c`` is the measured compute time per step plus, for the gather exchanges
 (dense, fp16, DGC), the compressor's own time as the strategy clocks it and
 the measured aggregation of 2 senders' wires (``a(N)`` is that, measured at 2
 and 8 senders and extrapolated linearly for DGC; a ring reduces as it
 forwards, so dense and fp16 keep ``a(2)``). PowerSGD's clock spans its own
-all-reduce rounds, so only its compute goes into ``c`` and its factorisation
-sits in its fitted overhead.
+all-reduce rounds, so its local work (error feedback, the matrix products,
+the orthogonalisation: ``factorise_seconds``, timed on one thread without the
+rounds) is measured apart and added to ``c``.
 
 Which parameters are what:
 
 * measured (network run, or timed here on one thread when the result predates
-  the field): ``c``, the compressor's time, ``a(2)``, ``a(8)``, ``A``, S, m;
+  the field): ``c``, the compressor's time, ``a(2)``, ``a(8)``, ``A``,
+  PowerSGD's local work, S, m;
 * fitted per family (collective, parameter server), by least squares on the
   relative error of every measured point: ``o``, the fixed software overhead
   per message (collective launch, gRPC framing, Python; it does not grow with
@@ -109,13 +118,24 @@ def ps_seconds(
 ):
     """Seconds per system step (one worker's batch) of sharded parameter servers.
 
-    The slower of the N workers in parallel and the busiest shard's service
-    demand per system step (link, Adagrad update of its share, messages).
+    A closed queueing network solved exactly by mean value analysis: each of
+    the N workers cycles through ``every`` local steps (``c`` and the
+    software overhead of its messages, on its own cores), a push (each
+    shard's inbound link, then its update of its share of the parameters)
+    and a fetch after it (each shard's outbound link); a worker waits while
+    another's transfer holds a shard's link. One worker gets the serial sum;
+    many saturate the busiest shard.
     """
     wire = beta * 8 * params_bytes / bps
-    worker = c + messages * (o + alpha_hop) + wire / every
-    shard = (wire + apply) / (shards * every) + messages / shards * o
-    return max(worker / workers, shard)
+    think = every * (c + messages * (o + alpha_hop))
+    # Per shard and per cycle: inbound (push and update), outbound (fetch).
+    demands = ((wire + apply) / shards, wire / shards)
+    queues = (0.0, 0.0)
+    for n in range(1, workers + 1):
+        residence = [d * (1 + q) for d, q in zip(demands, queues)]
+        cycles_per_second = n / (think + shards * sum(residence))
+        queues = [cycles_per_second * r for r in residence]
+    return 1.0 / (cycles_per_second * every)
 
 
 def aggregate_at(point, workers):
@@ -177,6 +197,11 @@ def points(network, measure=None):
                 point["apply"] = float(apply)
             else:
                 point["payload"] = float(run["logical_bytes"])
+            if kind == "powersgd":
+                factorise = run.get("factorise_seconds")
+                if factorise is None:
+                    factorise = measure(kind, run["model"])["factorise_seconds"]
+                point["c"] += float(factorise)
             if kind in GATHER:
                 point["c"] += float(run.get("compress_seconds") or 0.0)
                 agg = run.get("aggregate_seconds")
@@ -526,9 +551,9 @@ def _notes(params, worst, loo):
         + (f", {100 * max(loo):.1f}% with the point left out of its fit." if loo else ".")
         + " Leave-one-out needs two other points of the same family (two parameters).",
         "Measured: compute per step; the compressor's own time (strategy clock, gather "
-        "exchanges); the aggregation of 2 and 8 senders' wires and one Adagrad update of all "
-        "parameters (benchmarks._network_run.local_costs, one thread); bytes and messages per "
-        "step. Fitted: o (software overhead per message, fixed in N) and beta per family. "
+        "exchanges); the aggregation of 2 and 8 senders' wires, PowerSGD's local work and one "
+        "Adagrad update of all parameters (benchmarks._network_run.local_costs, one thread); "
+        "bytes and messages per step. Fitted: o (software overhead per message, fixed in N) and beta per family. "
         f"Assumed: alpha_hop = {1e6 * ALPHA_HOP:g} us per message per hop (typical for TCP "
         "between hosts on one switch; not identifiable at N = 2, where it merges with o; "
         "the sensitivity table shows 5, 20 and 50 us).",
@@ -545,8 +570,8 @@ def _notes(params, worst, loo):
         "collectives on this box; a cluster with a faster collective library has a smaller o "
         "and scales better.",
         "Downpour on this box runs 2 workers, the ps shards and the chief on 2 cores, so the "
-        "shard's fitted o also holds CPU contention that a cluster with a core per task does "
-        "not have.",
+        "parameter-server family's fitted o also holds CPU contention that a cluster with a "
+        "core per task does not have.",
         "Efficiency = compute-only step / predicted step (synchronous), or c/N over the system "
         "step (PS); 'relative to 8' divides by the same at 8 workers, as Goyal et al.'s 8 -> "
         "256 figure does. Goyal's figure is ResNet-50 on GPUs, where compute per step is "

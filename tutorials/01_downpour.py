@@ -132,7 +132,7 @@ def main(argv=None):
         f"{'yes' if close else 'no'} ({'quick' if args.quick else 'full'} run: Downpour "
         f"{downpour_accuracy:.3f}, Keras {baseline_accuracy:.3f}, seed {args.seed}); "
         "speed on 2 cores (README, python -m benchmarks.run downpour_throughput): one worker "
-        "1.12x one Keras process at n_fetch=n_push=5, 0.41x at 1; "
+        "0.95x one Keras process at n_fetch=n_push=5, 0.34x at 1; "
         "time to accuracy: python -m benchmarks.run downpour"
     )
 
