@@ -169,3 +169,55 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
     staleness, sizes = r["1,1"]["staleness"], r["1,1"]["sizes"]
     assert staleness.count(0) == len(sizes) and set(staleness) == {0, 1}, (sizes, staleness)
     assert max(r["2,3"]["staleness"] + r["4,2"]["staleness"]) <= 2, r
+
+
+@pytest.mark.timeout(300)
+def test_fetch_during_push_loses_no_update_and_adds_one_push_of_staleness(script):
+    # fetch_waits_for_push=False: a block's fetch is read while the previous
+    # block's push is applied (both cross the link at once). Same bias check
+    # as above: every step's gradient applied exactly once.
+    proc = script(
+        PRELUDE
+        + COUNT_ROUNDS
+        + """
+keras.utils.set_random_seed(0)
+out = {}
+with LocalCluster(num_workers=1, num_ps=1) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, fetch_waits_for_push=False)
+    sizes = count_rounds(strategy)
+    for n_fetch, n_push in ((1, 1), (2, 3), (4, 2)):
+        strategy.n_fetch, strategy.n_push = n_fetch, n_push
+        strategy.stats.reset()
+        del sizes[:]
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)])
+            model.compile(optimizer=keras.optimizers.SGD(0.01),
+                          loss=lambda y, p: tf.reduce_mean(p))
+        model.fit(digits_train(), epochs=2, steps_per_epoch=50, verbose=0)
+        s = strategy.stats.summary()
+        out[f"{n_fetch},{n_push}"] = dict(
+            bias=float(model.layers[0].bias.numpy()[0]), sizes=list(sizes),
+            staleness=[int(x) for x in strategy.stats.staleness], pushes=s["pushes"],
+            fetches=s["fetches"], iterations=int(model.optimizer.iterations.numpy()))
+    report(config=strategy.get_config(), **out)
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    assert r.pop("config")["fetch_waits_for_push"] is False
+    for name, run in r.items():
+        n_fetch, n_push = map(int, name.split(","))
+        assert abs(run["bias"] + 0.01 * 100) < 1e-4, (name, run["bias"])
+        assert run["iterations"] == 100 == sum(run["sizes"]), name
+        assert (
+            run["pushes"]
+            == len(run["staleness"])
+            == sum(-(-size // n_push) for size in run["sizes"])
+        ), name
+        assert run["fetches"] == sum(-(-size // n_fetch) for size in run["sizes"]), name
+    # One worker, n = 1: 0 for a round's first push, 1 for its second, then
+    # 2: each fetch is read before the replica's previous push is applied.
+    staleness, sizes = r["1,1"]["staleness"], r["1,1"]["sizes"]
+    assert staleness.count(0) == len(sizes) and set(staleness) == {0, 1, 2}, (sizes, staleness)
+    assert staleness.count(1) == sum(size >= 2 for size in sizes), (sizes, staleness)
+    assert max(r["2,3"]["staleness"] + r["4,2"]["staleness"]) <= 3, r
