@@ -469,18 +469,10 @@ def downpour(cfg):
     from tfdist_ext.cluster import LocalCluster
 
     cluster = LocalCluster(
-        num_workers=cfg.get("workers", 2),
-        num_ps=cfg["ps"],
-        bandwidth=cfg["bandwidth"],
-        intra_op_threads=1,
+        num_workers=2, num_ps=cfg["ps"], bandwidth=cfg["bandwidth"], intra_op_threads=1
     ).start()
     try:
-        strategy = tfdist_ext.DownpourStrategy(
-            cluster.resolver,
-            n_fetch=cfg["n"],
-            n_push=cfg["n"],
-            fetch_waits_for_push=cfg.get("fetch_waits_for_push", True),
-        )
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
         (x, y), (xt, yt) = _data(cfg["seed"])
         keras.utils.set_random_seed(cfg["seed"])
         train_data = (

@@ -273,15 +273,6 @@ def test_bad_policies_and_bounds_fail_at_construction():
             {"staleness_policy": DelayCompensation(0.1), "compression": "ef_topk"},
             "DelayCompensation cannot be used with compression",
         ),
-        ({"fetch_waits_for_push": 0}, "fetch_waits_for_push must be True or False"),
-        (
-            {"fetch_waits_for_push": False, "staleness_policy": DelayCompensation(0.1)},
-            "fetch_waits_for_push=False cannot be combined with DelayCompensation",
-        ),
-        (
-            {"fetch_waits_for_push": False, "max_staleness": 2},
-            "fetch_waits_for_push=False cannot be combined with DelayCompensation or max_st",
-        ),
     ):
         with pytest.raises(ValueError, match=message):
             tfdist_ext.DownpourStrategy(resolver, **kwargs)

@@ -12,9 +12,7 @@ n_push)``, an inner loop of the worker's own ops (a loop with ``ps`` ops
 in it makes every ``ps`` task take part in each of its iterations). While a
 block computes, the previous block's push is applied and the parameters for
 the next fetch point are read after it (DistBelief's background push and
-fetch; one push of staleness, measured), or, with the strategy's
-``fetch_waits_for_push=False``, read while it is applied, so that the two
-cross the link at once (two pushes of staleness). The metrics accumulate on a local
+fetch; one push of staleness, measured). The metrics accumulate on a local
 copy too, added to the model's metric variables at the round's end. Round
 boundaries fall exactly where both a fetch and a push are due and the
 round's last push is applied before it ends, so no state has to live on the
@@ -165,7 +163,6 @@ def build_round(model, strategy, version):
     )
 
     block = math.gcd(n_fetch, n_push)
-    fetch_waits_for_push = strategy.fetch_waits_for_push
 
     def local_steps(iterator, count, params, accum, metric_values):
         """``count`` local steps on ``params``; the gradients add to ``accum``.
@@ -219,15 +216,6 @@ def build_round(model, strategy, version):
         # other. A last, empty block applies the round's last push, so
         # nothing is in flight when the round ends.
         while done < num_steps or outbox_steps > 0:
-            count = tf.minimum(block, num_steps - done)
-            done += count
-            fetch_due = done % n_fetch == 0 and done < num_steps
-            if not fetch_waits_for_push and fetch_due:
-                # Read before the push in program order: the push's writes
-                # then wait only for these reads on the ps, not for the
-                # transfer, and the two cross the link at once.
-                prefetched, prefetched_source = fetch(worker, fetches % 2)
-                fetches += 1
             if outbox_steps > 0:
                 accepted, state, nbytes_sent = push(
                     outbox, state, version.read_value(), outbox_steps, (worker, *outbox_source)
@@ -240,7 +228,10 @@ def build_round(model, strategy, version):
                     applied += outbox_steps
                 else:
                     rejected += 1
-            if fetch_waits_for_push and fetch_due:
+            count = tf.minimum(block, num_steps - done)
+            done += count
+            fetch_due = done % n_fetch == 0 and done < num_steps
+            if fetch_due:
                 prefetched, prefetched_source = fetch(worker, fetches % 2)
                 fetches += 1
             accum, metric_values = local_steps(iterator, count, params, accum, metric_values)

@@ -77,9 +77,7 @@ class DownpourStrategy(ParameterServerBase):
     steps, and the parameters for the next fetch are read after that push:
     a replica computes without its own latest push, one push of staleness,
     which ``staleness_mean``/``staleness_max`` report like any other. A
-    round ends with its last push applied. On a slow link,
-    ``fetch_waits_for_push=False`` lets the fetch cross while the push is
-    applied (see below).
+    round ends with its last push applied.
 
     Dispatch, worker-failure handling and variable placement are TensorFlow's
     own: the strategy extends ``ParameterServerStrategy`` and schedules each
@@ -122,16 +120,6 @@ class DownpourStrategy(ParameterServerBase):
         seconds, then ``fit`` raises ``ClusterTimeoutError`` naming the
         workers it waited for; a lost worker leaves the bound).
         ``strategy.stats.clock_leads`` counts the fetches per lead ``0..s``.
-      fetch_waits_for_push: ``True`` (default): a fetch reads the parameters
-        after the worker's previous push has been applied (one push of
-        staleness). ``False``: the fetch is read while that push is applied,
-        so on a link the two cross at once, both directions of it busy,
-        instead of one after the other (DistBelief's push and fetch threads);
-        the replica then computes without its last two pushes (two pushes of
-        staleness, measured like any other). Not combinable with
-        ``DelayCompensation`` (two backup slots per worker assume the
-        default order) or ``max_staleness`` (its clocks count fetches after
-        pushes).
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
@@ -158,7 +146,6 @@ class DownpourStrategy(ParameterServerBase):
         model_devices=None,
         staleness_policy=None,
         max_staleness=None,
-        fetch_waits_for_push=True,
     ):
         self.n_fetch = n_fetch
         self.n_push = n_push
@@ -180,23 +167,6 @@ class DownpourStrategy(ParameterServerBase):
                 "g*g*(w_now - w_fetched) has no single w_fetched. Use StalenessAwareLR "
                 "or max_staleness with compression."
             )
-        if not isinstance(fetch_waits_for_push, bool):
-            raise ValueError(
-                "DownpourStrategy: fetch_waits_for_push must be True or False, got "
-                f"{fetch_waits_for_push!r}"
-            )
-        if not fetch_waits_for_push and (
-            isinstance(self.staleness_policy, _staleness.DelayCompensation)
-            or self.max_staleness is not None
-        ):
-            raise ValueError(
-                "DownpourStrategy: fetch_waits_for_push=False cannot be combined with "
-                "DelayCompensation or max_staleness: DelayCompensation's two backup slots "
-                "per worker and the bounded-staleness clocks both assume that a fetch "
-                "follows the worker's previous push. Keep fetch_waits_for_push=True, or "
-                "use staleness_policy=None / StalenessAwareLR() without max_staleness."
-            )
-        self.fetch_waits_for_push = fetch_waits_for_push
         self._bound = None
         if model_devices is not None:
             if (
@@ -253,7 +223,7 @@ class DownpourStrategy(ParameterServerBase):
 
     def _round_knobs(self):
         """What a traced round depends on besides the model and its optimizer."""
-        return (self.n_fetch, self.n_push, id(self.compression), self.fetch_waits_for_push)
+        return (self.n_fetch, self.n_push, id(self.compression))
 
     def _build_round(self, model, version):
         """The tf.function a worker runs for one round (``_round.build_round``)."""
@@ -308,5 +278,4 @@ class DownpourStrategy(ParameterServerBase):
             "model_devices": self.model_devices,
             "staleness_policy": _staleness.policy_to_config(self.staleness_policy),
             "max_staleness": self.max_staleness,
-            "fetch_waits_for_push": self.fetch_waits_for_push,
         }
