@@ -267,6 +267,17 @@ def shapes(hidden):
     return [(40, hidden), (hidden,), (hidden, hidden), (hidden,), (hidden, 10), (10,)]
 
 
+def _median_seconds(run, repeats):
+    """Median wall seconds of ``run()`` over ``repeats`` calls after a first, untimed one."""
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def aggregate_seconds(method, hidden, senders=2, repeats=10, seed=0):
     """Median seconds of ``compressor.aggregate`` over ``senders`` wires of every gradient.
 
@@ -299,13 +310,7 @@ def aggregate_seconds(method, hidden, senders=2, repeats=10, seed=0):
     def aggregate():
         return [compressor.aggregate(w, shape) for w, shape in zip(wires, shapes(hidden))]
 
-    [t.numpy() for t in aggregate()]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        [t.numpy() for t in aggregate()]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_seconds(lambda: [t.numpy() for t in aggregate()], repeats)
 
 
 def apply_seconds(hidden, repeats=10, seed=0):
@@ -326,14 +331,11 @@ def apply_seconds(hidden, repeats=10, seed=0):
     def apply():
         optimizer.apply(grads, variables)
 
-    apply()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+    def applied():
         apply()
         variables[0].numpy()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+
+    return _median_seconds(applied, repeats)
 
 
 def factorise_seconds(hidden, repeats=10, seed=0):
@@ -357,13 +359,7 @@ def factorise_seconds(hidden, repeats=10, seed=0):
     def factorise():
         return [compressor.exchange(g, s, 1, lambda t: t)[0] for g, s in zip(grads, states)]
 
-    [t.numpy() for t in factorise()]
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        [t.numpy() for t in factorise()]
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return _median_seconds(lambda: [t.numpy() for t in factorise()], repeats)
 
 
 def local_costs(method, hidden):
