@@ -169,6 +169,12 @@ def points(network, measure=None):
     measure = measure or measured_here
     out = []
     for i, run in enumerate(network["runs"]):
+
+        def local_cost(field, run=run):
+            """The run's recorded local cost ``field``, or timed here if it predates it."""
+            value = run.get(field)
+            return measure(run["kind"], run["model"])[field] if value is None else value
+
         try:
             kind = run["kind"]
             if kind not in FAMILY:
@@ -191,22 +197,14 @@ def points(network, measure=None):
                 point["payload"] = 4.0 * run["params"]
                 point["shards"] = int(run["ps"])
                 point["every"] = int(run["n"])
-                apply = run.get("apply_seconds")
-                if apply is None:
-                    apply = measure("ps", run["model"])["apply_seconds"]
-                point["apply"] = float(apply)
+                point["apply"] = float(local_cost("apply_seconds"))
             else:
                 point["payload"] = float(run["logical_bytes"])
             if kind == "powersgd":
-                factorise = run.get("factorise_seconds")
-                if factorise is None:
-                    factorise = measure(kind, run["model"])["factorise_seconds"]
-                point["c"] += float(factorise)
+                point["c"] += float(local_cost("factorise_seconds"))
             if kind in GATHER:
                 point["c"] += float(run.get("compress_seconds") or 0.0)
-                agg = run.get("aggregate_seconds")
-                if agg is None:
-                    agg = measure(kind, run["model"])["aggregate_seconds"]
+                agg = local_cost("aggregate_seconds")
                 point["aggregate"] = (float(agg["2"]), float(agg["8"]))
         except (KeyError, TypeError, ValueError) as e:
             if str(e).startswith("scaling_model:"):
