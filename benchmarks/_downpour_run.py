@@ -288,20 +288,17 @@ def profile(cfg):
         "push_ms": timed(push_zero),
     }
     args = (iterator, runtime.worker_index(), tf.constant(steps, tf.int32))
-    tasks = {
-        "ps": [cluster.pid("ps", 0)],
-        "worker": [cluster.pid("worker", 0)],
-        "chief": [os.getpid()],
-    }
-    cpu = _cpu_seconds
-    before = {k: cpu(v) for k, v in tasks.items()}
+    tasks = _tasks(cluster)
+    before = {k: _cpu_seconds(v) for k, v in tasks.items()}
     time.sleep(2.0)
-    out["idle_cpu_share_per_task"] = {k: (cpu(v) - before[k]) / 2.0 for k, v in tasks.items()}
-    before = {k: cpu(v) for k, v in tasks.items()}
+    out["idle_cpu_share_per_task"] = {
+        k: (_cpu_seconds(v) - before[k]) / 2.0 for k, v in tasks.items()
+    }
+    before = {k: _cpu_seconds(v) for k, v in tasks.items()}
     start = time.perf_counter()
     out[f"round_{steps}_ms_per_step"] = timed(round_fn, args) / steps
     wall = time.perf_counter() - start
-    out["cpu_share_per_task"] = {k: (cpu(v) - before[k]) / wall for k, v in tasks.items()}
+    out["cpu_share_per_task"] = {k: (_cpu_seconds(v) - before[k]) / wall for k, v in tasks.items()}
     start = time.perf_counter()
     model.fit(train, epochs=1, steps_per_epoch=4 * steps, verbose=0)
     out["fit_ms_per_step"] = (time.perf_counter() - start) / (4 * steps) * 1e3
