@@ -16,6 +16,11 @@ Every run is its own process (``benchmarks/_network_run.py``) on a fresh
   link (the larger direction of the veth counters of every task's namespace;
   full duplex, so the two directions overlap) at the link rate; and
   achieved / ideal.
+* Per configuration, the same run once more on links without a rate limit
+  (same namespaces and veths): the step this machine's cores and software
+  allow when the wire costs nothing. A row's machine ideal is the larger of
+  that and its ideal, and achieved / machine ideal says how close the row is
+  to what this machine could do at that link rate.
 
 Per block (model x link) the dense run comes first (its final accuracy is the
 target, its training time the budget of the others); the other systems follow
@@ -33,6 +38,7 @@ BATCH = 64  # per worker
 LR, DOWNPOUR_LR = 0.05, 0.05
 MIN_BUDGET = 15.0  # training seconds every system gets at least
 DOWNPOUR_BUDGET = 40.0  # and Downpour at most (its runs are the slowest to start)
+UNLIMITED_BUDGET = 8.0  # training seconds of a run on links without a rate limit
 
 
 def _plan(quick):
@@ -55,21 +61,19 @@ def _run(cfg):
 
 
 def _messages(method, hidden, n=None, ps=None):
-    """Tensors sent per worker step (what the per-message overhead multiplies).
+    """Collectives or transfers per worker step (what the per-message overhead multiplies).
 
-    The gather exchange sends each wire tensor of each gradient (DGC: values
-    and indices of the tensors of at least 1024 entries, plus their lengths;
-    the rest dense); PowerSGD all-reduces P and Q of each matrix and the
-    vectors whole; Downpour pushes and fetches every tensor on every shard
-    every n steps.
+    Dense gradients are summed by one batched all-reduce; the gather
+    exchanges (fp16, DGC) send all their wire tensors packed in one buffer,
+    after one small all-gather of its length; PowerSGD sums every P and the
+    vectors in one all-reduce and every Q in a second. Downpour pushes and
+    fetches every tensor on every shard every n steps.
     """
     sizes = [40 * hidden, hidden, hidden * hidden, hidden, hidden * 10, 10]
-    if method in ("dense", "fp16"):
-        return len(sizes)
-    if method == "dgc":
-        return sum(3 if size >= 1024 else 1 for size in sizes)
-    if method == "powersgd":
-        return 2 * 3 + 3
+    if method == "dense":
+        return 1
+    if method in ("fp16", "dgc", "powersgd"):
+        return 2
     return 2 * len(sizes) * ps / n
 
 
@@ -118,6 +122,7 @@ def _row(link, model, cfg, out, compute):
         "final_accuracy": out["curve"][-1][2],
         "steps": out["steps"],
         "curve": out["curve"],
+        "config": {k: v for k, v in cfg.items() if k not in ("target", "budget_seconds")},
     }
 
 
@@ -174,6 +179,9 @@ def run(quick=False, seed=0):
                 f"to target {row['seconds_to_target']}",
                 flush=True,
             )
+    floors = _unlimited_steps(rows)
+    for row in rows:
+        add_machine_ideal(row, floors[(row["model"], row["system"])])
     for row in rows:
         dense = next(r for r in rows if r["link"] == row["link"] and r["model"] == row["model"])
         row["step_speedup_vs_dense"] = row["examples_per_second"] / dense["examples_per_second"]
@@ -196,6 +204,36 @@ def run(quick=False, seed=0):
     }
 
 
+def add_machine_ideal(row, unlimited_step):
+    """Adds to ``row`` its configuration's step on unlimited links and the machine ideal.
+
+    Machine ideal = max(that step, the row's ideal): the wire time of the
+    link, or the cores and software's own time if larger.
+    """
+    row["unlimited_step_seconds"] = unlimited_step
+    row["machine_ideal_seconds"] = max(unlimited_step, row["ideal_seconds"])
+    row["achieved_over_machine_ideal"] = row["machine_ideal_seconds"] / row["step_seconds"]
+
+
+def _unlimited_steps(rows):
+    """{(model, system): step seconds} of every configuration of ``rows``, on unlimited links.
+
+    The same run on the same namespaces and veths without a ``tbf`` (fixed
+    steps, no accuracy target): what compute, the software and the cores cost
+    when the wire time is zero.
+    """
+    floors = {}
+    for row in rows:
+        key = (row["model"], row["system"])
+        if key in floors:
+            continue
+        cfg = dict(row["config"], bandwidth=None, target=2.0, budget_seconds=UNLIMITED_BUDGET)
+        out = _run(cfg)
+        floors[key] = out["chunk_step_seconds"] if row["kind"] == "ps" else out["step_seconds"]
+        print(f"{key[0]} unlimited {key[1]}: {floors[key]:.3f}s/step", flush=True)
+    return floors
+
+
 def _figures(rows):
     out = []
     for r in rows:
@@ -204,6 +242,16 @@ def _figures(rows):
         out.append(
             _harness.figure(case, r["system"], "achieved/ideal", "x", [r["achieved_over_ideal"]])
         )
+        if "achieved_over_machine_ideal" in r:
+            out.append(
+                _harness.figure(
+                    case,
+                    r["system"],
+                    "achieved/machine ideal",
+                    "x",
+                    [r["achieved_over_machine_ideal"]],
+                )
+            )
     return out
 
 
@@ -220,6 +268,8 @@ def table(rows):
         "busiest link MB/step",
         "ideal s",
         "achieved/ideal",
+        "no-limit step s",
+        "achieved/machine ideal",
         "acc. target",
         "s to target",
         "x dense (to target)",
@@ -238,6 +288,10 @@ def table(rows):
                 round(r["busiest_link_bytes"] / 1e6, 3),
                 round(r["ideal_seconds"], 3),
                 round(r["achieved_over_ideal"], 2),
+                round(r["unlimited_step_seconds"], 3) if "unlimited_step_seconds" in r else "-",
+                round(r["achieved_over_machine_ideal"], 2)
+                if "achieved_over_machine_ideal" in r
+                else "-",
                 round(r["final_accuracy"], 3) if r["system"] == "dense" else "",
                 round(r["seconds_to_target"], 1) if r["seconds_to_target"] else "not reached",
                 round(r["tta_speedup_vs_dense"], 2) if r.get("tta_speedup_vs_dense") else "-",
@@ -324,8 +378,16 @@ def _notes(quick, seed, dense_steps):
         "Plain tf.distribute.MultiWorkerMirroredStrategy fails in model.fit under Keras 3 here "
         "(verified: 'Attempt to convert a value (PerReplica...) with an unsupported type' "
         "when Keras reduces the first batch), so the synchronous peer is "
-        "CompressedMultiWorkerMirroredStrategy without compression, which all-gathers the "
-        "float32 gradients.",
+        "CompressedMultiWorkerMirroredStrategy without compression, which sums the float32 "
+        "gradients in one batched all-reduce, as MultiWorkerMirroredStrategy does (results "
+        "before 2026-11-25 all-gathered them, one collective per tensor; fp16 and DGC then "
+        "also sent one collective per wire tensor, PowerSGD one all-reduce per tensor and "
+        "round, now one buffer or one batch each).",
+        "no-limit step s: the same configuration once more on links without a rate limit (same "
+        f"namespaces and veths, {UNLIMITED_BUDGET:.0f} training seconds, no target): compute, "
+        "software and this machine's 2 cores when the wire costs nothing. Machine ideal = "
+        "max(no-limit step, ideal): what this machine could reach at the link rate if all wire "
+        "time hid behind that work; achieved/machine ideal says how close a row comes to it.",
         f"The machine ({os.cpu_count()} cores) is shared; one run per configuration, medians "
         "over steps within a run.",
     ] + (["QUICK RUN: 1M model at 100 Mbit/s only, one Downpour configuration."] if quick else [])

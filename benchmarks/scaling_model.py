@@ -34,13 +34,14 @@ over N workers, each on a full-duplex link of B bits/s, sending m tensors
   (T tends to (w + A) / (k n)).
 
 ``c`` is the measured compute time per step plus, for the gather exchanges
-(dense, fp16, DGC), the compressor's own time as the strategy clocks it and
-the measured aggregation of 2 senders' wires (``a(N)`` is that, measured at 2
+(fp16, DGC), the compressor's own time as the strategy clocks it and the
+measured aggregation of 2 senders' wires (``a(N)`` is that, measured at 2
 and 8 senders and extrapolated linearly for DGC; a ring reduces as it
-forwards, so dense and fp16 keep ``a(2)``). PowerSGD's clock spans its own
-all-reduce rounds, so its local work (error feedback, the matrix products,
-the orthogonalisation: ``factorise_seconds``, timed on one thread without the
-rounds) is measured apart and added to ``c``.
+forwards, so fp16 keeps ``a(2)``). Dense gradients are summed by one batched
+all-reduce, whose reduction is part of the ring: no local cost. PowerSGD's
+clock spans its own all-reduce rounds, so its local work (error feedback, the
+matrix products, the orthogonalisation: ``factorise_seconds``, timed on one
+thread without the rounds) is measured apart and added to ``c``.
 
 Which parameters are what:
 
@@ -76,7 +77,7 @@ ALPHA_HOP = 20e-6  # assumed per-hop latency (seconds)
 ALPHA_HOP_SENSITIVITY = (5e-6, 20e-6, 50e-6)
 FAMILY = {"dense": "collective", "fp16": "collective", "powersgd": "collective"}
 FAMILY.update(dgc="collective", ps="parameter_server")
-GATHER = ("dense", "fp16", "dgc")  # exchanges whose compressor clock excludes the exchange
+GATHER = ("fp16", "dgc")  # exchanges whose compressor clock excludes the exchange
 HIDDEN = {"1M": 1000, "10M": 3150}
 REFERENCES = [
     {

@@ -33,6 +33,30 @@ def test_pack_bits_roundtrip(bits):
     np.testing.assert_array_equal(_wire.unpack_bits(words, bits, 1001), codes)
 
 
+def test_pack_and_unpack_one_buffer_for_every_wire_tensor():
+    """float32 bits (NaN, -0.0) and int32 survive; lengths only for variable-length tensors."""
+    floats = tf.constant([1.5, -0.0, float("nan"), 3e-41], tf.float32)
+    ints = tf.constant([[7, -1], [0, 2**31 - 1]], tf.int32)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int32)])
+    def roundtrip(dynamic):
+        like = [floats, dynamic, ints]
+        buffer = _wire.pack(like)
+        # Two senders: the gather's output is their buffers end to end.
+        return buffer, _wire.unpack(tf.concat([buffer, buffer], 0), like, 2)
+
+    buffer, senders = roundtrip(tf.constant([5, 6, 7], tf.int32))
+    assert buffer.dtype == tf.int32 and buffer.shape == [1 + 4 + 3 + 4]  # 1 length
+    for floats_out, dynamic_out, ints_out in senders:
+        np.testing.assert_array_equal(
+            tf.bitcast(floats_out, tf.int32), tf.bitcast(floats, tf.int32)
+        )
+        np.testing.assert_array_equal(dynamic_out, [5, 6, 7])
+        np.testing.assert_array_equal(ints_out, ints)
+    with pytest.raises(TypeError, match="float32 or int32"):
+        _wire.pack([tf.ones([2], tf.float16)])
+
+
 def test_no_compression_is_exact_and_dense():
     g = _grad()
     wire, _ = _compress(C.NoCompression(), g)

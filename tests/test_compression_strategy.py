@@ -282,17 +282,54 @@ def test_only_the_wire_form_is_exchanged(cpu_devices):
 
     ops = train.get_concrete_function(values).graph.get_operations()
     kinds = {op.type for op in ops}
-    assert "CollectiveGatherV2" in kinds  # float32 values: collective all-gather
     assert not any("Reduce" in k and "Collective" in k for k in kinds)
     assert not any(k.startswith("Nccl") for k in kinds)
-    gathered = [
-        op.inputs[0]
+    # The gather joins the replicas' packed buffers (int32 words, which
+    # MirroredStrategy gathers on one device; across processes it is a
+    # collective): one buffer per replica of the 50 selected values and their
+    # 50 indices, not the 5000-value gradient.
+    joins = [
+        op
         for op in ops
-        if op.type == "CollectiveGatherV2" and op.inputs[0].dtype == tf.float32
+        if op.type == "ConcatV2" and len({t.op.device for t in op.inputs[:-1]}) == 2
     ]
-    # One gather per replica, each of the 50 selected values (not 5000).
-    assert len(gathered) == 2
-    assert all(t.shape.num_elements() in (None, 50) for t in gathered)
+    assert len(joins) == 1
+    assert [(t.dtype, t.shape.num_elements()) for t in joins[0].inputs[:-1]] == [
+        (tf.int32, 100),
+        (tf.int32, 100),
+    ]
+
+
+def test_powersgd_sums_every_tensor_in_two_all_reduces(cpu_devices):
+    """Two collectives per step for all tensors (P and the vectors, then Q), same sums."""
+    rank, seed = 2, 3
+    rng = np.random.default_rng(0)
+    shapes = [(12, 10), (9, 7), (10,)]
+    grads = [[rng.normal(size=s).astype(np.float32) for s in shapes] for _ in range(2)]
+    strategy = C.CompressedMirroredStrategy(cpu_devices[:2], compression=C.PowerSGD(rank, seed))
+    with strategy.scope():
+        variables = [keras.Variable(np.zeros(s, np.float32)) for s in shapes]
+        opt = keras.optimizers.SGD(1.0)
+        opt.build(variables)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: [tf.constant(g) for g in grads[ctx.replica_id_in_sync_group]]
+    )
+
+    @tf.function
+    def train(gs):
+        strategy.run(lambda gs: opt.apply(gs, variables), args=(gs,))
+
+    ops = train.get_concrete_function(values).graph.get_operations()
+    assert sum(op.type == "CollectiveReduceV2" for op in ops) == 2 * 2  # per replica
+    train(values)
+    for i, shape in enumerate(shapes):
+        total = grads[0][i] + grads[1][i]
+        if len(shape) == 2:  # the two rounds on the summed gradient, from the seeded Q
+            q0 = tf.random.stateless_normal([shape[1], rank], [seed, shape[1]]).numpy()
+            p = np.linalg.qr((grads[0][i] + grads[1][i]) @ q0)[0]
+            total = p @ (total.T @ p).T
+        for replica in strategy.experimental_local_results(variables[i].value):
+            np.testing.assert_allclose(replica.numpy(), -total, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -25,10 +25,10 @@ def test_net_bytes_reads_this_namespace():
 
 
 def test_messages_per_step():
-    assert network._messages("dense", 1000) == 6  # 3 kernels, 3 biases
-    # DGC: values, indices and length of the 3 kernels; biases of 1000 and 10 dense.
-    assert network._messages("dgc", 1000) == 3 * 3 + 3
-    assert network._messages("dgc", 3150) == 5 * 3 + 1
+    assert network._messages("dense", 1000) == 1  # one batched all-reduce
+    # fp16, DGC: the packed buffer and its length; PowerSGD: its two rounds.
+    for method in ("fp16", "dgc", "powersgd"):
+        assert network._messages(method, 3150) == 2
     # Downpour: push and fetch of every tensor on every shard, every n steps.
     assert network._messages("ps", 1000, n=5, ps=2) == pytest.approx(2 * 6 * 2 / 5)
 
@@ -52,6 +52,14 @@ def test_row_ideal_and_table():
     row["step_speedup_vs_dense"], row["tta_speedup_vs_dense"] = 1.0, None
     text = _harness.format_table(network.table([row]))
     assert "not reached" in text and "fp16" in text
+    assert row["config"] == cfg
+    # Machine ideal: the larger of the ideal and the step on unlimited links.
+    network.add_machine_ideal(row, 0.1)
+    assert row["machine_ideal_seconds"] == pytest.approx(0.3)
+    network.add_machine_ideal(row, 0.4)
+    assert row["machine_ideal_seconds"] == pytest.approx(0.4)
+    assert row["achieved_over_machine_ideal"] == pytest.approx(0.8)
+    assert "0.8" in _harness.format_table(network.table([row]))
 
 
 @pytest.mark.slow

@@ -70,6 +70,10 @@ def _seed(step, salt):
 class NoCompression(Compressor):
     """Sends the dense float32 gradient (the reference point; ratio 1).
 
+    Under the compressed strategies the gradients are summed by one batched
+    all-reduce (:meth:`exchange`), as ``MultiWorkerMirroredStrategy`` and
+    Horovod's ``Compression.none`` do.
+
     Example:
       >>> wire, _ = NoCompression().compress(tf.ones([3]), {}, 0)
     """
@@ -84,6 +88,17 @@ class NoCompression(Compressor):
 
     def aggregate(self, wires, shape, dtype=tf.float32):
         return _restore(tf.add_n([w["values"] for w in wires]), shape, dtype)
+
+    def exchange(self, grads, states, step, all_sum):
+        """Sums the dense gradients in one all-reduce (a ring across workers, as
+        ``MultiWorkerMirroredStrategy`` does), not an all-gather of every sender's.
+
+        Returns ``(summed_grads, states, bytes_sent)``.
+        """
+        sums = all_sum([tf.cast(g, tf.float32) for g in grads])
+        words = sum(_num(g.shape) for g in grads)
+        totals = [tf.cast(t, g.dtype) for t, g in zip(sums, grads)]
+        return totals, states, tf.constant(4 * words, tf.int64)
 
 
 @register
@@ -489,27 +504,42 @@ class PowerSGD(Compressor):
             return _restore(wire["values"], shape, dtype)
         return _restore(tf.matmul(wire["p"], wire["q"], transpose_b=True), shape, dtype)
 
-    def exchange(self, grad, state, step, all_sum):
-        """Two-round PowerSGD; ``all_sum(tensor)`` sums a tensor over replicas.
+    def exchange(self, grads, states, step, all_sum):
+        """Two-round PowerSGD over every gradient at once.
 
-        Returns ``(summed_grad, new_state, bytes_sent)``.
+        ``all_sum(tensors)`` sums a list of tensors over replicas (one
+        collective for the list). Round one sums every matrix's ``P`` and
+        every vector whole; round two every ``Q``: two collectives per step
+        whatever the number of tensors, as PyTorch's PowerSGD hook batches them.
+        Returns ``(summed_grads, new_states, bytes_sent)``.
         """
-        corrected = tf.cast(grad, tf.float32) + state["residual"]
-        nm = self._matrix_shape(grad.shape)
-        if nm is None:
-            total = all_sum(corrected)
-            nbytes = tf.constant(4 * _num(grad.shape), tf.int64)
-            return tf.cast(total, grad.dtype), {"residual": tf.zeros_like(corrected)}, nbytes
-        m = tf.reshape(corrected, nm)
-        p = all_sum(tf.matmul(m, state["q"]))
-        p = tf.linalg.qr(p)[0]
-        q_local = tf.matmul(m, p, transpose_a=True)
-        local_approx = tf.matmul(p, q_local, transpose_b=True)
-        q = all_sum(q_local)
-        total = tf.reshape(tf.matmul(p, q, transpose_b=True), grad.shape)
-        residual = corrected - tf.reshape(local_approx, grad.shape)
-        nbytes = tf.constant(4 * self.rank * (nm[0] + nm[1]), tf.int64)
-        return tf.cast(total, grad.dtype), {"residual": residual, "q": q}, nbytes
+        corrected = [tf.cast(g, tf.float32) + s["residual"] for g, s in zip(grads, states)]
+        shapes = [self._matrix_shape(g.shape) for g in grads]
+        matrices = [i for i, nm in enumerate(shapes) if nm is not None]
+        vectors = [i for i, nm in enumerate(shapes) if nm is None]
+        m = {i: tf.reshape(corrected[i], shapes[i]) for i in matrices}
+        first = all_sum(
+            [tf.matmul(m[i], states[i]["q"]) for i in matrices] + [corrected[i] for i in vectors]
+        )
+        totals, new_states = [None] * len(grads), [None] * len(grads)
+        for i, total in zip(vectors, first[len(matrices) :]):
+            totals[i] = total
+            new_states[i] = {"residual": tf.zeros_like(corrected[i])}
+        p = {i: tf.linalg.qr(p_sum)[0] for i, p_sum in zip(matrices, first)}
+        q_local = {i: tf.matmul(m[i], p[i], transpose_a=True) for i in matrices}
+        q_sum = all_sum([q_local[i] for i in matrices]) if matrices else []
+        for i, q in zip(matrices, q_sum):
+            local_approx = tf.matmul(p[i], q_local[i], transpose_b=True)
+            totals[i] = tf.matmul(p[i], q, transpose_b=True)
+            new_states[i] = {
+                "residual": corrected[i] - tf.reshape(local_approx, corrected[i].shape),
+                "q": q,
+            }
+        totals = [tf.cast(tf.reshape(t, g.shape), g.dtype) for t, g in zip(totals, grads)]
+        words = sum(
+            self.rank * (nm[0] + nm[1]) if nm else _num(g.shape) for g, nm in zip(grads, shapes)
+        )
+        return totals, new_states, tf.constant(4 * words, tf.int64)
 
     def get_config(self):
         return {"rank": self.rank, "seed": self.seed}

@@ -9,8 +9,14 @@ strategies below, ``tfdist_ext._integration`` routes that one method to
 compresses each gradient with the replica's own state, **all-gathers only the
 wire tensors** (``ReplicaContext.all_gather``: cross-device copies within a
 process, collective all-gather over gRPC across processes), and decompresses
-and sums the gathered wires on every replica. Every other reduction (metrics,
-sync batch-norm, user code) is left dense.
+and sums the gathered wires on every replica. All the wire tensors of a step
+travel packed in one buffer, so a step costs one all-gather (TensorFlow adds
+one of the buffer's length), not one per tensor: each collective is a round
+trip, and they run one after another. A compressor whose wire can be summed
+(:class:`NoCompression`, :class:`PowerSGD`) has an ``exchange`` method
+instead, which sums lists of tensors in batched all-reduces (one collective
+per list). Every other reduction (metrics, sync batch-norm, user code) is
+left dense.
 
 ``model.fit`` under these strategies also tells a compressor that follows
 epochs (DGC's warm-up without ``steps_per_epoch``) which epoch is running:
@@ -28,6 +34,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.compression import _wire
 from tfdist_ext.compression._base import Compressor
 from tfdist_ext.compression._compressors import NoCompression
 
@@ -374,51 +381,38 @@ class _CompressedExchange:
         counters["seconds"].assign_add(t1 - t0)
         for state_vars, new_state in zip(states, new_states):
             self._write(state_vars, new_state)
-        # Variable-length wire tensors also send their length (4 bytes).
-        dynamic = [not t.shape.is_fully_defined() for t in flat]
-        sizes = [tf.reshape(tf.size(t, out_type=tf.int32), [1]) for t, d in zip(flat, dynamic) if d]
-        to_send = [tf.reshape(t, [-1]) for t in flat] + sizes
-        sent = tf.constant(0, tf.int64)
-        for t in to_send:
-            sent += tf.cast(tf.size(t), tf.int64) * t.dtype.size
-        gathered = ctx.all_gather(to_send, axis=0)
-        gathered_sizes = iter(gathered[len(flat) :])
-        per_sender = []
-        for t, d, whole in zip(flat, dynamic, gathered[: len(flat)]):
-            if d:
-                parts = tf.split(whole, next(gathered_sizes), num=n)
-            else:
-                parts = tf.split(whole, n)
-            per_sender.append([tf.reshape(p, t.shape) if not d else p for p in parts])
+        # One buffer, one all-gather (a collective per wire tensor costs a
+        # round trip each, serialised); variable-length tensors send their
+        # length (4 bytes) in it.
+        buffer = _wire.pack(flat)
+        sent = tf.cast(tf.size(buffer), tf.int64) * 4
+        per_sender = _wire.unpack(ctx.all_gather(buffer, axis=0), flat, n)
         reduced = []
         offset = 0
         for g, wire in zip(grads, wires):
             count = len(tf.nest.flatten(wire))
             senders = [
-                tf.nest.pack_sequence_as(wire, [per_sender[offset + j][s] for j in range(count)])
-                for s in range(n)
+                tf.nest.pack_sequence_as(wire, tensors[offset : offset + count])
+                for tensors in per_sender
             ]
             offset += count
             reduced.append(compressor.aggregate(senders, g.shape, g.dtype))
         return reduced, sent
 
     def _exchange_rounds(self, ctx, compressor, grads, states, step, counters):
-        def all_sum(t):
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, t)
+        def all_sum(tensors):
+            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
         t0 = self._start_clock(grads)
-        reduced, sent = [], tf.constant(0, tf.int64)
         with tf.control_dependencies([t0]):
-            for g, state_vars in zip(grads, states):
-                total, new_state, nbytes = compressor.exchange(
-                    g, self._read(state_vars), step, all_sum
-                )
-                self._write(state_vars, new_state)
-                reduced.append(total)
-                sent += nbytes
+            reduced, new_states, sent = compressor.exchange(
+                grads, [self._read(s) for s in states], step, all_sum
+            )
+        for state_vars, new_state in zip(states, new_states):
+            self._write(state_vars, new_state)
         with tf.control_dependencies(reduced):
             t1 = tf.timestamp()
-        # Includes the two small all-reduces: PowerSGD interleaves them.
+        # Includes the two all-reduce rounds: PowerSGD interleaves them.
         counters["seconds"].assign_add(t1 - t0)
         return reduced, sent
 

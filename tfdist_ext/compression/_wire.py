@@ -68,3 +68,54 @@ def static_num_elements(shape):
     for d in shape:
         n *= int(d)
     return n
+
+
+def _words(t):
+    """A flat float32 or int32 tensor as int32 words (float32 bitcast, bits unchanged)."""
+    flat = tf.reshape(t, [-1])
+    if flat.dtype == tf.float32:
+        return tf.bitcast(flat, tf.int32)
+    if flat.dtype == tf.int32:
+        return flat
+    raise TypeError(f"wire tensors must be float32 or int32, got {flat.dtype.name}")
+
+
+def pack(tensors):
+    """One flat int32 buffer holding ``tensors`` (float32 or int32), for one collective.
+
+    Layout: the lengths of the tensors whose shape is not static (the receiver
+    knows the others'), then every tensor's words in order. The bytes are the
+    payload plus 4 per variable-length tensor, as separate sends would need.
+    """
+    words = [_words(t) for t in tensors]
+    lengths = [
+        tf.reshape(tf.size(w, out_type=tf.int32), [1])
+        for t, w in zip(tensors, words)
+        if not t.shape.is_fully_defined()
+    ]
+    return tf.concat(lengths + words, 0)
+
+
+def unpack(gathered, like, senders):
+    """Inverse of :func:`pack` over the all-gather of ``senders`` buffers.
+
+    ``like``: the tensors one sender packed (their dtypes and static shapes).
+    Returns, per sender, its tensors in order, shaped and typed as ``like``.
+    """
+    dynamic = [not t.shape.is_fully_defined() for t in like]
+    num_dynamic = sum(dynamic)
+    out, offset = [], 0
+    for _ in range(senders):
+        header = iter(tf.unstack(gathered[offset : offset + num_dynamic], num=num_dynamic))
+        lengths = [next(header) if d else t.shape.num_elements() for t, d in zip(like, dynamic)]
+        start = offset + num_dynamic
+        end = start + tf.add_n([tf.constant(0, tf.int32)] + [tf.cast(n, tf.int32) for n in lengths])
+        parts = tf.split(gathered[start:end], tf.stack(lengths), num=len(like))
+        tensors = []
+        for part, t in zip(parts, like):
+            if t.dtype == tf.float32:
+                part = tf.bitcast(part, tf.float32)
+            tensors.append(tf.reshape(part, t.shape) if t.shape.is_fully_defined() else part)
+        out.append(tensors)
+        offset = end
+    return out
