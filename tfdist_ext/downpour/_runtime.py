@@ -22,7 +22,7 @@ class DownpourRuntime:
 
     def __init__(self, strategy):
         self._strategy = strategy
-        self._sources = []  # (chief iterator, dataset), newest last
+        self._sources = []  # (weakref to a chief iterator, dataset), newest last
         self._per_worker_iterators = []  # (dataset, per-worker iterator), newest last
         self._rounds = {}  # key -> (weakref(model), round function)
         self._plans = {}  # id(model) -> (weakref(model), plan)
@@ -33,14 +33,19 @@ class DownpourRuntime:
     # -- data ------------------------------------------------------------------
 
     def remember_source(self, iterator, dataset):
-        """Records that ``iterator`` (on the chief) iterates ``dataset``."""
-        self._sources.append((iterator, dataset))
-        del self._sources[:-_MAX_SOURCES]
+        """Records that ``iterator`` (on the chief) iterates ``dataset``.
+
+        Held weakly: an iterator dies when Keras drops it (between ``fit``
+        calls), never here. Deleting an old chief iterator from this list at
+        the start of a ``fit`` stalled that ``fit`` by seconds now and then.
+        """
+        self._sources = [(ref, d) for ref, d in self._sources if ref() is not None]
+        self._sources.append((weakref.ref(iterator), dataset))
 
     def source_of(self, iterator):
         """The dataset a chief iterator came from (see ``remember_source``)."""
-        for it, dataset in reversed(self._sources):
-            if it is iterator:
+        for ref, dataset in reversed(self._sources):
+            if ref() is iterator:
                 return dataset
         raise ValueError(
             "DownpourStrategy: fit() got data that was not distributed by this "
