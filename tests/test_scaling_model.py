@@ -49,6 +49,9 @@ def test_dgc_aggregation_is_linear_in_senders():
     assert M.aggregate_at(point, 2) == pytest.approx(1e-3)
     assert M.aggregate_at(point, 14) == pytest.approx(7e-3)
     assert M.aggregate_at(dict(point, kind="dense"), 14) == pytest.approx(1e-3)  # a ring
+    # A timing at 8 senders below that at 2 (noise) does not make 256 cheaper.
+    noisy = {"kind": "dgc", "aggregate": (37e-3, 33e-3)}
+    assert M.aggregate_at(noisy, 256) == pytest.approx(37e-3)
 
 
 def test_parameter_server_closed_queue():
