@@ -264,7 +264,9 @@ class _CompressedExchange:
         Returns a dict of Python numbers: ``wire_bytes`` (bytes the replicas
         put on the wire), ``dense_bytes`` (what a dense float32 exchange of the
         same gradients would put), ``ratio`` (dense / wire), ``seconds``
-        (time spent compressing, summed over replicas) and ``steps``.
+        (time spent compressing, summed over replicas; for a compressor with
+        an ``exchange`` method, :class:`NoCompression` and :class:`PowerSGD`,
+        it spans the exchange, all-reduces included) and ``steps``.
 
         Example:
           >>> strategy.compression_stats()["ratio"]   # doctest: +SKIP
