@@ -69,12 +69,18 @@ def _messages(method, hidden, n=None, ps=None):
     vectors in one all-reduce and every Q in a second. Downpour pushes and
     fetches every tensor on every shard every n steps.
     """
-    sizes = [40 * hidden, hidden, hidden * hidden, hidden, hidden * 10, 10]
+    from benchmarks._network_run import shapes
+
     if method == "dense":
         return 1
     if method in ("fp16", "dgc", "powersgd"):
         return 2
-    return 2 * len(sizes) * ps / n
+    return 2 * len(shapes(hidden)) * ps / n
+
+
+def _step_seconds(cfg, out):
+    """A run's step: Downpour's from its fits of whole chunks, a synchronous run's median."""
+    return out["chunk_step_seconds"] if cfg["system"] == "downpour" else out["step_seconds"]
 
 
 def _row(link, model, cfg, out, compute):
@@ -82,7 +88,7 @@ def _row(link, model, cfg, out, compute):
     downpour = cfg["system"] == "downpour"
     workers = 2
     examples = BATCH if downpour else BATCH * workers
-    step = out["chunk_step_seconds"] if downpour else out["step_seconds"]
+    step = _step_seconds(cfg, out)
     busiest = max(max(v) for v in out["link_bytes_per_step"].values())
     # Downpour: one step of one worker; the two workers compute in parallel.
     compute_per_step = compute / workers if downpour else compute
@@ -229,7 +235,7 @@ def _unlimited_steps(rows):
             continue
         cfg = dict(row["config"], bandwidth=None, target=2.0, budget_seconds=UNLIMITED_BUDGET)
         out = _run(cfg)
-        floors[key] = out["chunk_step_seconds"] if row["kind"] == "ps" else out["step_seconds"]
+        floors[key] = _step_seconds(cfg, out)
         print(f"{key[0]} unlimited {key[1]}: {floors[key]:.3f}s/step", flush=True)
     return floors
 

@@ -387,18 +387,15 @@ class _CompressedExchange:
         # round trip each, serialised); variable-length tensors send their
         # length (4 bytes) in it.
         buffer = _wire.pack(flat)
-        sent = tf.cast(tf.size(buffer), tf.int64) * 4
-        per_sender = _wire.unpack(ctx.all_gather(buffer, axis=0), flat, n)
-        reduced = []
-        offset = 0
-        for g, wire in zip(grads, wires):
-            count = len(tf.nest.flatten(wire))
-            senders = [
-                tf.nest.pack_sequence_as(wire, tensors[offset : offset + count])
-                for tensors in per_sender
-            ]
-            offset += count
-            reduced.append(compressor.aggregate(senders, g.shape, g.dtype))
+        sent = _wire.wire_bytes(buffer)
+        per_sender = [
+            tf.nest.pack_sequence_as(wires, tensors)
+            for tensors in _wire.unpack(ctx.all_gather(buffer, axis=0), flat, n)
+        ]
+        reduced = [
+            compressor.aggregate([sender[i] for sender in per_sender], g.shape, g.dtype)
+            for i, g in enumerate(grads)
+        ]
         return reduced, sent
 
     def _exchange_rounds(self, ctx, compressor, grads, states, step, counters):

@@ -107,10 +107,12 @@ def unpack(gathered, like, senders):
     out, offset = [], 0
     for _ in range(senders):
         header = iter(tf.unstack(gathered[offset : offset + num_dynamic], num=num_dynamic))
-        lengths = [next(header) if d else t.shape.num_elements() for t, d in zip(like, dynamic)]
+        sizes = tf.stack(
+            [next(header) if d else t.shape.num_elements() for t, d in zip(like, dynamic)]
+        )
         start = offset + num_dynamic
-        end = start + tf.add_n([tf.constant(0, tf.int32)] + [tf.cast(n, tf.int32) for n in lengths])
-        parts = tf.split(gathered[start:end], tf.stack(lengths), num=len(like))
+        end = start + tf.reduce_sum(sizes)
+        parts = tf.split(gathered[start:end], sizes, num=len(like))
         tensors = []
         for part, t in zip(parts, like):
             if t.dtype == tf.float32:
