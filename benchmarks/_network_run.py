@@ -489,8 +489,8 @@ def downpour(cfg):
             net.compile(
                 keras.optimizers.Adagrad(cfg["downpour_lr"]),
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                # Rounds of a quarter chunk (at least n steps): two a worker.
-                steps_per_execution=max(cfg["n"], cfg["chunk"] // 4),
+                # Rounds of a quarter chunk: two a worker.
+                steps_per_execution=cfg.get("round", max(cfg["n"], cfg["chunk"] // 4)),
             )
         tasks = {f"task{i}": pid for i, pid in enumerate(cluster.pids())}
 
