@@ -197,11 +197,22 @@ def _progress(keras):
             accuracy = self.accuracy()
             self.curve.append([self.warmup + self.done, round(self.trained, 3), accuracy])
             target = self.cfg.get("target")
-            if target is not None and accuracy >= target and self.reached is None:
+            hit = target is not None and accuracy >= target and self.reached is None
+            if hit:
                 self.reached = self.trained
+            over = self.trained >= self.cfg.get("budget_seconds", float("inf"))
+            # Each worker reads its own clock: both must stop after the same
+            # step, or their next collectives would not match.
+            if self._any_worker(hit or over):
                 self.model.stop_training = True
-            elif self.trained >= self.cfg.get("budget_seconds", float("inf")):
-                self.model.stop_training = True
+
+        def _any_worker(self, flag):
+            """``flag`` OR-ed over the workers (one small all-reduce)."""
+            import tensorflow as tf
+
+            strategy = self.model.distribute_strategy
+            value = strategy.run(lambda: tf.constant(1.0 if flag else 0.0))
+            return float(strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)) > 0
 
         def _close_chunk(self, steps):
             seconds = time.perf_counter() - self.chunk_start
