@@ -5,33 +5,42 @@ Reads ``benchmarks/results/network.json`` (``network.quick.json`` with
 over N workers, each on a full-duplex link of B bits/s, sending m tensors
 (messages) per step:
 
+Every byte costs ``g = beta * 8 / B + gamma`` seconds: its time on the wire
+and its time on the cores (serialisation, copies, the reduction), which
+stays when the link is unlimited (``B`` infinite).
+
 * ring all-reduce of S bytes per worker (dense float32, fp16, PowerSGD's
   factors)::
 
-      T = c + m o + 2(N-1) m alpha_hop + beta * 2(N-1)/N * 8 S / B
+      T = c + m o + 2(N-1) m alpha_hop + 2(N-1)/N * S g
 
 * all-gather of s sparse bytes per worker (DGC: values + indices, each worker
   receives everyone's), whose sparse aggregation grows with the senders::
 
-      T = c + a(N) + m o + (N-1) m alpha_hop + beta * (N-1) * 8 s / B
+      T = c + a(N) + m o + (N-1) m alpha_hop + (N-1) s g
 
 * sharded parameter servers (Downpour, k shards, N workers, push and fetch of
   S bytes of float32 parameters every n steps) as a closed queueing network
-  solved by exact mean value analysis (MVA). Each worker cycles through n
-  local steps on its own cores (a delay, Z), then a push, which holds each
-  shard's inbound link for its share of the bytes and the shard's Adagrad
-  update of its share (A for all the parameters), then a fetch, which holds
-  each shard's outbound link (the round fetches after its push is applied,
-  so the two do not overlap for one worker). With w the wire time of S::
+  solved by approximate mean value analysis (MVA). Each worker runs rounds
+  of b blocks of n local steps (``steps_per_execution`` = b n). After each
+  block comes a push, which holds each shard's inbound link for its share
+  of the bytes and the shard's Adagrad update of its share (A for all the
+  parameters), then a fetch, which holds each shard's outbound link; a round
+  starts with a fetch and ends with its last push applied. Within a round a
+  block's push and fetch cross while the next block computes (one push of
+  staleness), so a round takes its first fetch, its first block, its last
+  push and, for each other block, the longer of the block and a push. With
+  w = S g::
 
-      w = beta * 8 S / B,   Z = n (c + m (o + alpha_hop))
-      D_in = (w + A) / k,   D_out = w / k        (per shard, per cycle)
-      for j = 1..N:  R_s = D_s (1 + Q_s),  X = j / (Z + k (R_in + R_out)),
-                     Q_s = X R_s
-      T = 1 / (X n)        (seconds per system step, one worker's batch)
+      Z = n (c + m (o + alpha_hop))                   (one block)
+      D_in = (w + A) / k,   D_out = w / k            (per shard, per transfer)
+      for j = 1..N:  push = k D_in (1 + Q_in),  fetch = k D_out (1 + Q_out)
+                     C = fetch + Z + push + (b - 1) max(Z, push)
+                     X = j / C,  Q_s = X b (push or fetch) / k
+      T = 1 / (X b n)      (seconds per system step, one worker's batch)
 
-  One worker pays Z + 2w + A per cycle; many saturate the busiest shard
-  (T tends to (w + A) / (k n)).
+  One worker pays 2w + A + Z per round of one block; many saturate the
+  busiest shard (T tends to (w + A) / (k n)).
 
 ``c`` is the measured compute time per step plus, for the gather exchanges
 (fp16, DGC), the compressor's own time as the strategy clocks it and the
@@ -47,19 +56,21 @@ Which parameters are what:
 
 * measured (network run, or timed here on one thread when the result predates
   the field): ``c``, the compressor's time, ``a(2)``, ``a(8)``, ``A``,
-  PowerSGD's local work, S, m;
+  PowerSGD's local work, S, m, b;
 * fitted per family (collective, parameter server), by least squares on the
   relative error of every measured point: ``o``, the fixed software overhead
   per message (collective launch, gRPC framing, Python; it does not grow with
-  N), and ``beta``, the wire time over the payload time (protocol bytes and
-  lost bandwidth; 1/beta is the effective share of the link);
+  N), ``beta``, the wire time over the payload time (protocol bytes and
+  lost bandwidth; 1/beta is the effective share of the link), and
+  ``gamma``, the software time per byte;
 * assumed: ``alpha_hop``, the network latency per message per hop. Every
   measured point has N = 2, where it is indistinguishable from ``o``; the
   predictions take 20 us (a TCP message between hosts on one datacenter
   switch) and show 5 and 50 us beside it.
 
-The model is validated against every measured point, in sample and leaving
-each point out of its own fit. Predictions: 8-256 workers at 1, 10 and 100
+The model is validated against every measured point (each run, and each
+configuration's run on unlimited links), in sample and leaving each point
+out of its own fit. Predictions: 8-256 workers at 1, 10 and 100
 Gbit/s, as scaling efficiency (throughput over N times one worker's
 compute-only throughput) and relative to 8 workers, beside the reference
 figure of Goyal et al. (~90% from 8 to 256 GPUs).
@@ -67,12 +78,14 @@ figure of Goyal et al. (~90% from 8 to 256 GPUs).
 
 import functools
 import json
+import math
 import os
 
 from benchmarks import _harness
 
 WORKERS = (8, 16, 32, 64, 128, 256)
 LINKS = {"1gbit": 1e9, "10gbit": 10e9, "100gbit": 100e9}
+PARAMETERS = ("o", "beta", "gamma")  # fitted per family
 ALPHA_HOP = 20e-6  # assumed per-hop latency (seconds)
 ALPHA_HOP_SENSITIVITY = (5e-6, 20e-6, 50e-6)
 FAMILY = {"dense": "collective", "fp16": "collective", "powersgd": "collective"}
@@ -101,42 +114,75 @@ REFERENCES_MISSING = (
 # --- the model -------------------------------------------------------------------
 
 
-def ring_allreduce_seconds(c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP):
+def byte_seconds(bps, beta, gamma):
+    """Seconds per payload byte: the wire's (``beta`` x 8 / link rate) and the software's.
+
+    ``gamma`` is what each byte costs the tasks' cores (serialisation, copies,
+    the reduction) when the wire costs nothing; ``bps`` is ``math.inf`` there.
+    """
+    return beta * 8 / bps + gamma
+
+
+def ring_allreduce_seconds(
+    c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0
+):
     """Seconds per step of a ring all-reduce of ``payload`` bytes per worker."""
     n = workers
     hops = 2 * (n - 1)
-    return c + messages * (o + hops * alpha_hop) + beta * hops / n * 8 * payload / bps
+    wire = hops / n * payload * byte_seconds(bps, beta, gamma)
+    return c + messages * (o + hops * alpha_hop) + wire
 
 
-def allgather_seconds(c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP):
+def allgather_seconds(c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0):
     """Seconds per step of an all-gather of ``payload`` (sparse) bytes per worker."""
     n = workers
-    return c + messages * (o + (n - 1) * alpha_hop) + beta * (n - 1) * 8 * payload / bps
+    wire = (n - 1) * payload * byte_seconds(bps, beta, gamma)
+    return c + messages * (o + (n - 1) * alpha_hop) + wire
 
 
 def ps_seconds(
-    c, params_bytes, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, *, shards, every, apply
+    c,
+    params_bytes,
+    workers,
+    bps,
+    o,
+    beta,
+    messages,
+    alpha_hop=ALPHA_HOP,
+    gamma=0.0,
+    *,
+    shards,
+    every,
+    apply,
+    blocks=1,
 ):
     """Seconds per system step (one worker's batch) of sharded parameter servers.
 
-    A closed queueing network solved exactly by mean value analysis: each of
-    the N workers cycles through ``every`` local steps (``c`` and the
-    software overhead of its messages, on its own cores), a push (each
-    shard's inbound link, then its update of its share of the parameters)
-    and a fetch after it (each shard's outbound link); a worker waits while
-    another's transfer holds a shard's link. One worker gets the serial sum;
-    many saturate the busiest shard.
+    A closed queueing network solved by (approximate) mean value analysis.
+    Each of the N workers cycles through rounds of ``blocks`` blocks of
+    ``every`` local steps (``c`` and the software overhead of its messages,
+    on its own cores). After each block comes a push (each shard's inbound
+    link, then its update of its share of the parameters) and a fetch after
+    it (each shard's outbound link); a round starts with a fetch. Within a
+    round a block's push and fetch cross while the next block computes, so
+    a round takes its first fetch, its first block, its last push and, for
+    each other block, the longer of its compute and its push; the hidden
+    fetches still load the shards' outbound links. A worker waits while
+    another's transfer holds a shard's link. One worker gets the serial
+    sum; many saturate the busiest shard.
     """
-    wire = beta * 8 * params_bytes / bps
-    think = every * (c + messages * (o + alpha_hop))
-    # Per shard and per cycle: inbound (push and update), outbound (fetch).
+    wire = params_bytes * byte_seconds(bps, beta, gamma)
+    block = every * (c + messages * (o + alpha_hop))
+    # Per shard and per transfer: inbound (push and update), outbound (fetch).
     demands = ((wire + apply) / shards, wire / shards)
     queues = (0.0, 0.0)
     for n in range(1, workers + 1):
-        residence = [d * (1 + q) for d, q in zip(demands, queues)]
-        cycles_per_second = n / (think + shards * sum(residence))
-        queues = [cycles_per_second * r for r in residence]
-    return 1.0 / (cycles_per_second * every)
+        push, fetch = (shards * d * (1 + q) for d, q in zip(demands, queues))
+        cycle = fetch + block + push + (blocks - 1) * max(block, push)
+        rounds_per_second = n / cycle
+        # Little's law at one shard's link: a round visits it `blocks` times.
+        queues = [rounds_per_second * blocks * r / shards for r in (push, fetch)]
+    return 1.0 / (rounds_per_second * every * blocks)
 
 
 def aggregate_at(point, workers):
@@ -153,11 +199,17 @@ def aggregate_at(point, workers):
 
 def predict(point, workers, bps, params, alpha_hop=ALPHA_HOP):
     """Seconds per step of ``point`` (a dict as in :func:`points`) at ``workers`` and ``bps``."""
-    o, beta = params[FAMILY[point["kind"]]]
+    o, beta, gamma = params[FAMILY[point["kind"]]]
     c = point["c"] + aggregate_at(point, workers)
-    args = (c, point["payload"], workers, bps, o, beta, point["messages"], alpha_hop)
+    args = (c, point["payload"], workers, bps, o, beta, point["messages"], alpha_hop, gamma)
     if point["kind"] == "ps":
-        return ps_seconds(*args, shards=point["shards"], every=point["every"], apply=point["apply"])
+        return ps_seconds(
+            *args,
+            shards=point["shards"],
+            every=point["every"],
+            apply=point["apply"],
+            blocks=point["blocks"],
+        )
     if point["kind"] == "dgc":
         return allgather_seconds(*args)
     return ring_allreduce_seconds(*args)
@@ -172,7 +224,7 @@ def points(network, measure=None):
     if not isinstance(network, dict) or not isinstance(network.get("runs"), list):
         raise ValueError("scaling_model: the network result has no 'runs' list")
     measure = measure or measured_here
-    out = []
+    out, seen = [], set()
     for i, run in enumerate(network["runs"]):
 
         def local_cost(field, run=run):
@@ -202,6 +254,7 @@ def points(network, measure=None):
                 point["payload"] = 4.0 * run["params"]
                 point["shards"] = int(run["ps"])
                 point["every"] = int(run["n"])
+                point["blocks"] = _blocks(run)
                 point["apply"] = float(local_cost("apply_seconds"))
             else:
                 point["payload"] = float(run["logical_bytes"])
@@ -218,9 +271,23 @@ def points(network, measure=None):
                 f"scaling_model: run {i} of the network result is invalid: {e!r}"
             ) from None
         out.append(point)
+        unlimited = run.get("unlimited_step_seconds")
+        key = (point["model"], point["system"])
+        if unlimited is not None and key not in seen:
+            # The configuration once more on links without a rate limit.
+            seen.add(key)
+            out.append(dict(point, link="none", bps=math.inf, measured=float(unlimited)))
     if not out:
         raise ValueError("scaling_model: the network result has no runs")
     return out
+
+
+def _blocks(run):
+    """Blocks of n steps per Downpour round (``steps_per_execution`` over n) of a run."""
+    config = run.get("config") or {}
+    n = int(run["n"])
+    steps = config.get("round") or max(n, int(config.get("chunk", 4 * n)) // 4)
+    return max(1, int(steps) // n)
 
 
 @functools.cache
@@ -239,7 +306,7 @@ MEASURED_HERE = set()
 
 
 def fit(pts):
-    """``{family: (o, beta)}`` minimising the squared relative error of each family."""
+    """``{family: (o, beta, gamma)}`` minimising the squared relative error of each family."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -248,13 +315,16 @@ def fit(pts):
         sub = [p for p in pts if FAMILY[p["kind"]] == family]
 
         def residuals(x, sub=sub, family=family):
-            trial = {family: (x[0], x[1])}
+            trial = {family: tuple(x)}
             return [predict(p, p["workers"], p["bps"], trial) / p["measured"] - 1 for p in sub]
 
         result = least_squares(
-            residuals, x0=[1e-3, 1.0], bounds=([0.0, 0.0], [np.inf, np.inf]), x_scale=[1e-3, 1.0]
+            residuals,
+            x0=[1e-3, 1.0, 1e-9],
+            bounds=([0.0, 0.0, 0.0], [np.inf, np.inf, np.inf]),
+            x_scale=[1e-3, 1.0, 1e-9],
         )
-        params[family] = (float(result.x[0]), float(result.x[1]))
+        params[family] = tuple(float(v) for v in result.x)
     return params
 
 
@@ -266,7 +336,7 @@ def validate(pts, params):
         rest = [q for j, q in enumerate(pts) if j != i]
         family = FAMILY[p["kind"]]
         left_out = None
-        if sum(FAMILY[q["kind"]] == family for q in rest) >= 2:  # two parameters
+        if sum(FAMILY[q["kind"]] == family for q in rest) >= len(PARAMETERS):
             left_out = predict(p, p["workers"], p["bps"], fit(rest)) / p["measured"] - 1
         rows.append(
             {
@@ -375,7 +445,10 @@ def run(quick=False, seed=0):
         "source": name,
         "source_quick": bool(network.get("quick")),
         "parameters": {
-            **{f: {"o_seconds_per_message": o, "beta": b} for f, (o, b) in params.items()},
+            **{
+                f: {"o_seconds_per_message": o, "beta": b, "gamma_seconds_per_byte": g}
+                for f, (o, b, g) in params.items()
+            },
             "alpha_hop_seconds_assumed": ALPHA_HOP,
             "alpha_hop_sensitivity_seconds": list(ALPHA_HOP_SENSITIVITY),
         },
@@ -395,10 +468,10 @@ def run(quick=False, seed=0):
         "plots": plots,
         "notes": _notes(params, worst, loo)
         + [
-            f"Only {k} measured point(s) of the {f} family: its two parameters are not "
+            f"Only {k} measured point(s) of the {f} family: its three parameters are not "
             "identified, so its predictions rest on the full run's points."
             for f, k in _family_counts(pts).items()
-            if k < 3
+            if k <= len(PARAMETERS)
         ],
     }
 
@@ -544,19 +617,26 @@ def _save(fig, name):
 def _notes(params, worst, loo):
     fitted = "; ".join(
         f"{f}: o = {1e3 * o:.2f} ms per message, beta = {b:.2f} (effective link share "
-        f"{100 / b if b else float('inf'):.0f}%)"
-        for f, (o, b) in params.items()
+        f"{100 / b if b else float('inf'):.0f}%), gamma = {1e9 * g:.2f} ns per byte "
+        f"({1e-6 / g if g else float('inf'):.0f} MB/s of software)"
+        for f, (o, b, g) in params.items()
     )
     here = sorted(f"{k} {m}" for k, m in MEASURED_HERE)
     return [
         f"Fitted (every measured point, least squares on the relative error): {fitted}.",
         f"Largest |error| over every measured point: {100 * worst:.1f}% in sample"
         + (f", {100 * max(loo):.1f}% with the point left out of its fit." if loo else ".")
-        + " Leave-one-out needs two other points of the same family (two parameters).",
+        + " Leave-one-out needs three other points of the same family (three parameters).",
+        "Measured points: every run of the network benchmark, and each configuration once more "
+        "on links without a rate limit (link 'none', its no-limit step), where only compute, "
+        "o and gamma remain.",
         "Measured: compute per step; the compressor's own time (strategy clock, gather "
         "exchanges); the aggregation of 2 and 8 senders' wires, PowerSGD's local work and one "
         "Adagrad update of all parameters (benchmarks._network_run.local_costs, one thread); "
-        "bytes and messages per step. Fitted: o (software overhead per message, fixed in N) and beta per family. "
+        "bytes and messages per step; Downpour's blocks per round (steps_per_execution / n). "
+        "Fitted per family: o (software overhead per message, fixed in N), beta (wire time "
+        "over payload time) and gamma (software time per payload byte, which the cores spend "
+        "whatever the link: at 1 Gbit/s it is a large part of a dense step). "
         f"Assumed: alpha_hop = {1e6 * ALPHA_HOP:g} us per message per hop (typical for TCP "
         "between hosts on one switch; not identifiable at N = 2, where it merges with o; "
         "the sensitivity table shows 5, 20 and 50 us).",
@@ -573,8 +653,9 @@ def _notes(params, worst, loo):
         "collectives on this box; a cluster with a faster collective library has a smaller o "
         "and scales better.",
         "Downpour on this box runs 2 workers, the ps shards and the chief on 2 cores, so the "
-        "parameter-server family's fitted o also holds CPU contention that a cluster with a "
-        "core per task does not have.",
+        "parameter-server family's fitted o and gamma also hold CPU contention that a cluster "
+        "with a core per task does not have (the model divides a shard's gamma among the "
+        "shards, as such a cluster would).",
         "Efficiency = compute-only step / predicted step (synchronous), or c/N over the system "
         "step (PS); 'relative to 8' divides by the same at 8 workers, as Goyal et al.'s 8 -> "
         "256 figure does. Goyal's figure is ResNet-50 on GPUs, where compute per step is "

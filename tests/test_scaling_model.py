@@ -2,6 +2,7 @@
 its fit recovering known parameters, its validation, and clear errors on bad input."""
 
 import json
+import math
 
 import pytest
 
@@ -77,6 +78,38 @@ def test_parameter_server_closed_queue():
     assert steps[0] > steps[1] > steps[2]
 
 
+def test_parameter_server_rounds_hide_pushes_behind_blocks():
+    kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0, shards=1, apply=0.0)
+    # One worker, rounds of 3 blocks of 5 steps, 1.0 s of compute a block and
+    # 3.2 s a transfer: the first fetch, the first block, the last push, and
+    # for each other block the longer of its compute and its push.
+    three = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=3)
+    assert three == pytest.approx((3.2 + 1.0 + 3.2 + 2 * 3.2) / 15)
+    # Compute longer than a push: the pushes hide behind the blocks.
+    slow = M.ps_seconds(2.0, 4e7, 1, 1e8, **kw, every=5, blocks=3)
+    assert slow == pytest.approx((3.2 + 10.0 + 3.2 + 2 * 10.0) / 15)
+    # One block a round is the serial sum; longer rounds are never slower.
+    assert M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=1) == pytest.approx(7.4 / 5)
+    for workers in (1, 2, 8):
+        by_blocks = [
+            M.ps_seconds(0.2, 4e7, workers, 1e8, **kw, every=5, blocks=b) for b in (1, 2, 4, 8)
+        ]
+        assert by_blocks == sorted(by_blocks, reverse=True)
+
+
+def test_software_cost_per_byte_adds_to_the_wire():
+    # gamma: seconds per byte on the cores; on an unlimited link it is all that is left.
+    base = M.ring_allreduce_seconds(0.1, 1e6, 2, 1e8, 0.0, 1.0, 1, 0.0)
+    assert M.ring_allreduce_seconds(0.1, 1e6, 2, 1e8, 0.0, 1.0, 1, 0.0, gamma=2e-9) == (
+        pytest.approx(base + 2e-3)
+    )
+    assert M.allgather_seconds(0.1, 1e6, 3, math.inf, 0.0, 1.0, 1, 0.0, gamma=2e-9) == (
+        pytest.approx(0.1 + 2 * 2e-3)
+    )
+    one = M.ps_seconds(0.0, 4e7, 1, math.inf, 0.0, 1.0, 0, 0.0, 5e-9, shards=1, every=1, apply=0)
+    assert one == pytest.approx(2 * 0.2)
+
+
 def _run_record(kind, link_bps, params, logical, step, n=None, ps=None, compute=0.05):
     system = f"downpour n={n} ps={ps}" if kind == "ps" else kind
     return {
@@ -98,11 +131,13 @@ def _run_record(kind, link_bps, params, logical, step, n=None, ps=None, compute=
         "logical_bytes": logical,
         "n": n,
         "ps": ps,
+        "config": {"round": 4 * n} if kind == "ps" else {},
     }
 
 
 def _synthetic(params):
-    """A network result whose steps follow the model exactly with ``params``."""
+    """A network result whose steps follow the model exactly with ``params``, each
+    configuration also measured on unlimited links."""
     runs = []
     for bps in (1e8, 1e9):
         for kind, logical in (("dense", 4e6), ("fp16", 2e6), ("dgc", 1e4), ("powersgd", 4e4)):
@@ -114,6 +149,7 @@ def _synthetic(params):
         r["compute_seconds"] = 0.02 + 0.01 * (i % 3)
         p = M.points({"runs": [r]})[0]
         r["step_seconds"] = M.predict(p, 2, r["link_bps"], params)
+        r["unlimited_step_seconds"] = M.predict(p, 2, math.inf, params)
     return {"runs": runs, "quick": True}
 
 
@@ -157,25 +193,26 @@ def test_missing_local_costs_are_measured(monkeypatch):
 
 
 def test_fit_recovers_known_parameters():
-    truth = {"collective": (2e-3, 1.3), "parameter_server": (5e-3, 2.0)}
+    truth = {"collective": (2e-3, 1.3, 3e-9), "parameter_server": (5e-3, 2.0, 1e-9)}
     params = M.fit(M.points(_synthetic(truth)))
-    for family, (o, beta) in truth.items():
-        assert params[family][0] == pytest.approx(o, rel=1e-3)
-        assert params[family][1] == pytest.approx(beta, rel=1e-3)
+    for family, values in truth.items():
+        assert params[family] == pytest.approx(values, rel=1e-3)
 
 
 def test_run_validates_every_point_and_plots(tmp_path, monkeypatch):
-    truth = {"collective": (1e-3, 1.2), "parameter_server": (4e-3, 1.8)}
+    truth = {"collective": (1e-3, 1.2, 2e-9), "parameter_server": (4e-3, 1.8, 1e-9)}
     (tmp_path / "network.quick.json").write_text(json.dumps(_synthetic(truth)))
     monkeypatch.setattr(_harness, "RESULTS_DIR", str(tmp_path))
     result = M.run(quick=True)
-    assert len(result["validation"]) == 20
+    # 20 runs, and each of their 10 configurations once on unlimited links.
+    assert len(result["validation"]) == 30
+    assert sum(c["link"] == "none" for c in result["validation"]) == 10
     assert result["max_abs_error"] < 1e-3 and result["within_15_percent"]
     assert result["max_abs_left_out_error"] < 1e-3
     assert {p["workers"] for p in result["predictions"]} == set(M.WORKERS)
     assert {p["alpha_hop_us"] for p in result["predictions"]} == {5, 20, 50}
     assert all((tmp_path / p.split("/")[-1]).exists() for p in result["plots"])
-    assert _harness.format_table(result["table"]).count("\n") == 21
+    assert _harness.format_table(result["table"]).count("\n") == 31
     # Downpour both with the measured shards and with one shard per 4 workers.
     systems = {row[1] for row in result["prediction_table"]["rows"]}
     assert {"downpour n=5 ps=2", "downpour n=5 ps=N/4"} <= systems
