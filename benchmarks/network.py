@@ -380,7 +380,8 @@ def _notes(quick, seed, dense_steps):
         "traces, and its steps count) are excluded.",
         "step s: synchronous rows, the median over timed steps of the slower worker, from a "
         "callback; Downpour rows, training seconds / steps, each chunk one fit of four rounds "
-        "(two a worker) that returns when they have finished, drain included. (Results before "
+        f"(two a worker) of {ROUND_BLOCKS} blocks of n steps (n = 1: five steps) that returns "
+        "when they have finished, drain included. (Results before "
         "2026-11-25 timed Downpour in one fit with a callback, whose clock and counters missed "
         "the rounds that kept training during each evaluation: optimistic, most at n = 20.)",
         "Bytes: veth counters (/proc/PID/net/dev) of every task's namespace over the timed "
