@@ -471,6 +471,15 @@ def sync(cfg):
 # --- Downpour: this process is the chief ----------------------------------------
 
 
+def round_steps(cfg):
+    """Steps per Downpour round (``steps_per_execution``) of a configuration.
+
+    ``cfg["round"]``; configurations recorded before it was set ran rounds
+    of a quarter chunk (at least n steps), two a worker.
+    """
+    return cfg.get("round") or max(cfg["n"], cfg["chunk"] // 4)
+
+
 def downpour(cfg):
     import keras
     import tensorflow as tf
@@ -500,8 +509,7 @@ def downpour(cfg):
             net.compile(
                 keras.optimizers.Adagrad(cfg["downpour_lr"]),
                 keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                # Rounds of a quarter chunk: two a worker.
-                steps_per_execution=cfg.get("round", max(cfg["n"], cfg["chunk"] // 4)),
+                steps_per_execution=round_steps(cfg),
             )
         tasks = {f"task{i}": pid for i, pid in enumerate(cluster.pids())}
 

@@ -61,9 +61,25 @@ def _plan(quick):
     return blocks, {"1M": 60, "10M": 20}, downpour
 
 
-def _round_steps(n, chunk):
-    """Steps per Downpour round (``steps_per_execution``): ``ROUND_BLOCKS`` blocks of ``n``."""
-    return max(ROUND_BLOCKS * n, chunk)
+def _downpour_cfg(base, n, ps, chunk, steps):
+    """A Downpour run: rounds of ``ROUND_BLOCKS`` blocks of ``n`` steps (at least ``chunk``).
+
+    Rounds of several blocks, so that pushes and fetches overlap the next
+    block (see ``_round.py``); each chunk is one fit (see
+    ``_network_run.train_in_fits``) of four rounds, two a worker, so that
+    both keep busy, and a run has room for two fits or more.
+    """
+    steps_per_round = max(ROUND_BLOCKS * n, chunk)
+    return dict(
+        base,
+        system="downpour",
+        n=n,
+        ps=ps,
+        round=steps_per_round,
+        chunk=4 * steps_per_round,
+        max_steps=max(8 * steps, 10 * steps_per_round),
+        downpour_lr=DOWNPOUR_LR,
+    )
 
 
 def _run(cfg):
@@ -167,23 +183,7 @@ def run(quick=False, seed=0):
         others = [
             dict(base, system="sync", method=m, chunk=chunk, max_steps=4 * steps)
             for m in SYNC_METHODS[1:]
-        ] + [
-            dict(
-                base,
-                system="downpour",
-                n=n,
-                ps=ps,
-                # Rounds of several blocks, so that pushes and fetches
-                # overlap the next block (see _round.py); each chunk is one
-                # fit (see _network_run.train_in_fits) of four rounds, two a
-                # worker, so that both keep busy.
-                round=_round_steps(n, chunk),
-                chunk=4 * _round_steps(n, chunk),
-                max_steps=max(8 * steps, 10 * _round_steps(n, chunk)),  # two fits or more
-                downpour_lr=DOWNPOUR_LR,
-            )
-            for n, ps in downpour[(model, link)]
-        ]
+        ] + [_downpour_cfg(base, n, ps, chunk, steps) for n, ps in downpour[(model, link)]]
         others = others[b % len(others) :] + others[: b % len(others)]
         for cfg in others:
             cap = DOWNPOUR_BUDGET if cfg["system"] == "downpour" else float("inf")

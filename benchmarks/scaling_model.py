@@ -284,9 +284,10 @@ def points(network, measure=None):
 
 def _blocks(run):
     """Blocks of n steps per Downpour round (``steps_per_execution`` over n) of a run."""
-    config = run.get("config") or {}
+    from benchmarks._network_run import round_steps
+
     n = int(run["n"])
-    steps = config.get("round") or max(n, int(config.get("chunk", 4 * n)) // 4)
+    steps = round_steps({"n": n, "chunk": 4 * n, **(run.get("config") or {})})
     return max(1, int(steps) // n)
 
 
