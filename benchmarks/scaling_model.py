@@ -28,15 +28,18 @@ stays when the link is unlimited (``B`` infinite).
   parameters), then a fetch, which holds each shard's outbound link; a round
   starts with a fetch and ends with its last push applied. Within a round a
   block's push and fetch cross while the next block computes (one push of
-  staleness), so a round takes its first fetch, its first block, its last
-  push and, for each other block, the longer of the block and a push. With
-  w = S g::
+  staleness), but one after the other (TensorFlow's loop does not overlap
+  them: measured), so a round takes its first fetch, its first block, its
+  last push and, for each other block, the longer of the block and a push
+  plus a fetch. A transfer's time does not vary, so one arriving at a busy
+  link waits for half of the transfer in progress (MVA's residual service
+  time for constant service), not all of it. With w = S g::
 
       Z = n (c + m (o + alpha_hop))                   (one block)
       D_in = (w + A) / k,   D_out = w / k            (per shard, per transfer)
-      for j = 1..N:  push = k D_in (1 + Q_in),  fetch = k D_out (1 + Q_out)
-                     C = fetch + Z + push + (b - 1) max(Z, push)
-                     X = j / C,  Q_s = X b (push or fetch) / k
+      for j = 1..N:  push = k D_in (1 + Q_in - U_in / 2),  fetch likewise
+                     C = fetch + Z + push + (b - 1) max(Z, push + fetch)
+                     X = j / C,  Q_s = X b (push or fetch) / k,  U_s = X b D_s
       T = 1 / (X b n)      (seconds per system step, one worker's batch)
 
   One worker pays 2w + A + Z per round of one block; many saturate the
@@ -164,25 +167,43 @@ def ps_seconds(
     on its own cores). After each block comes a push (each shard's inbound
     link, then its update of its share of the parameters) and a fetch after
     it (each shard's outbound link); a round starts with a fetch. Within a
-    round a block's push and fetch cross while the next block computes, so
-    a round takes its first fetch, its first block, its last push and, for
-    each other block, the longer of its compute and its push; the hidden
-    fetches still load the shards' outbound links. A worker waits while
-    another's transfer holds a shard's link. One worker gets the serial
-    sum; many saturate the busiest shard.
+    round a block's push and fetch cross while the next block computes, but
+    one after the other: in TensorFlow's block loop a worker's push and its
+    next fetch do not overlap (a loop probe, ``docs/architecture.md`` "On a
+    slow link": two transfer times an iteration). So a round takes its
+    first fetch, its first block, its last push and, for each other block,
+    the longer of its compute and a push plus a fetch. A worker waits while
+    another's transfer holds a shard's link (:func:`residence`). One worker
+    gets the serial sum; many saturate the busiest shard.
     """
     wire = params_bytes * byte_seconds(bps, beta, gamma)
     block = every * (c + messages * (o + alpha_hop))
     # Per shard and per transfer: inbound (push and update), outbound (fetch).
     demands = ((wire + apply) / shards, wire / shards)
-    queues = (0.0, 0.0)
+    queues = utilisations = (0.0, 0.0)
     for n in range(1, workers + 1):
-        push, fetch = (shards * d * (1 + q) for d, q in zip(demands, queues))
-        cycle = fetch + block + push + (blocks - 1) * max(block, push)
+        push, fetch = (
+            shards * residence(d, q, u) for d, q, u in zip(demands, queues, utilisations)
+        )
+        cycle = fetch + block + push + (blocks - 1) * max(block, push + fetch)
         rounds_per_second = n / cycle
         # Little's law at one shard's link: a round visits it `blocks` times.
-        queues = [rounds_per_second * blocks * r / shards for r in (push, fetch)]
+        visits = rounds_per_second * blocks
+        queues = [visits * r / shards for r in (push, fetch)]
+        utilisations = [visits * d for d in demands]
     return 1.0 / (rounds_per_second * every * blocks)
+
+
+def residence(demand, queue, utilisation):
+    """Time at a link of one transfer of ``demand`` seconds that finds ``queue`` waiting there.
+
+    Mean value analysis for a first-come-first-served centre whose service
+    time does not vary (a transfer of fixed bytes at a fixed rate): an
+    arriving transfer waits for the ones queued and for half of the one
+    being served, not all of it (exponential service's memoryless residual):
+    ``demand * (1 + queue - utilisation / 2)``.
+    """
+    return demand * (1.0 + queue - utilisation / 2.0)
 
 
 def aggregate_at(point, workers):
@@ -254,6 +275,8 @@ def points(network, measure=None):
                 point["payload"] = 4.0 * run["params"]
                 point["shards"] = int(run["ps"])
                 point["every"] = int(run["n"])
+                point["hidden"] = int((run.get("config") or {}).get("hidden", HIDDEN[run["model"]]))
+                point["messages"] = ps_messages(point["hidden"], point["every"], point["shards"])
                 point["blocks"] = _blocks(run)
                 point["apply"] = float(local_cost("apply_seconds"))
             else:
@@ -280,6 +303,19 @@ def points(network, measure=None):
     if not out:
         raise ValueError("scaling_model: the network result has no runs")
     return out
+
+
+@functools.cache
+def ps_messages(hidden, every, shards):
+    """Tensors a Downpour worker moves per step with ``shards`` ps tasks (``network._messages``).
+
+    Counted from the configuration, not read from a run: runs recorded
+    before 2026-11-25 counted every variable, but a push or fetch
+    concatenates the whole variables of one ``ps`` task into one tensor.
+    """
+    from benchmarks import network
+
+    return float(network._messages("ps", hidden, every, shards))
 
 
 def _blocks(run):
@@ -388,7 +424,7 @@ def _ps_scaled(p, workers):
     least the measured ones) and its messages (each worker talks to every shard)."""
     per = p.get("workers_per_shard")
     shards = max(p["shards"], workers // per) if per else p["shards"]
-    return dict(p, shards=shards, messages=p["messages"] * shards / p["shards"])
+    return dict(p, shards=shards, messages=ps_messages(p["hidden"], p["every"], shards))
 
 
 def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):

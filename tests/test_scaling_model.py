@@ -64,8 +64,9 @@ def test_parameter_server_closed_queue():
     every5 = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, shards=1, every=5, apply=0.0)
     assert every5 == pytest.approx((5 * 0.2 + 2 * 3.2) / 5)
     # Two workers, one shard, by hand (mean value analysis): with one worker
-    # each link holds 3.2 / 6.6 of a worker; the second one waits for that.
-    residence = 3.2 * (1 + 3.2 / 6.6)
+    # each link is busy 3.2 of every 6.6 s; the second worker's transfer
+    # waits, on average, for half of one (a transfer's time does not vary).
+    residence = 3.2 * (1 + 3.2 / 6.6 - 3.2 / 6.6 / 2)
     two = M.ps_seconds(0.2, 4e7, 2, 1e8, **kw, shards=1, every=1, apply=0.0)
     assert two == pytest.approx((0.2 + 2 * residence) / 2)
     # Many workers saturate the busiest shard: its inbound link and update.
@@ -82,9 +83,10 @@ def test_parameter_server_rounds_hide_pushes_behind_blocks():
     kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0, shards=1, apply=0.0)
     # One worker, rounds of 3 blocks of 5 steps, 1.0 s of compute a block and
     # 3.2 s a transfer: the first fetch, the first block, the last push, and
-    # for each other block the longer of its compute and its push.
+    # for each other block the longer of its compute and its push and fetch,
+    # which cross one after the other.
     three = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=3)
-    assert three == pytest.approx((3.2 + 1.0 + 3.2 + 2 * 3.2) / 15)
+    assert three == pytest.approx((3.2 + 1.0 + 3.2 + 2 * 6.4) / 15)
     # Compute longer than a push: the pushes hide behind the blocks.
     slow = M.ps_seconds(2.0, 4e7, 1, 1e8, **kw, every=5, blocks=3)
     assert slow == pytest.approx((3.2 + 10.0 + 3.2 + 2 * 10.0) / 15)
@@ -95,6 +97,25 @@ def test_parameter_server_rounds_hide_pushes_behind_blocks():
             M.ps_seconds(0.2, 4e7, workers, 1e8, **kw, every=5, blocks=b) for b in (1, 2, 4, 8)
         ]
         assert by_blocks == sorted(by_blocks, reverse=True)
+
+
+def test_residence_waits_for_half_a_transfer_in_progress():
+    # Constant service: an idle link, the demand; a link busy u of the time
+    # with q transfers there on average, the demand for each queued one
+    # and half of the one in progress.
+    assert M.residence(2.0, 0.0, 0.0) == 2.0
+    assert M.residence(2.0, 0.5, 0.5) == pytest.approx(2.0 * (1 + 0.5 - 0.25))
+
+
+def test_ps_messages_count_transfers_per_shard_and_piece():
+    # The measured points count a push's tensors from the configuration.
+    point = M.points({"runs": [_run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=2)]})[0]
+    assert point["messages"] == pytest.approx(2 * 4 / 5)
+    # With more shards the split kernel has more pieces, the whole variables
+    # spread over more tasks.
+    scaled = M._ps_scaled(dict(point, workers_per_shard=4), 64)
+    assert scaled["shards"] == 16
+    assert scaled["messages"] == M.ps_messages(1000, 5, 16) > point["messages"]
 
 
 def test_software_cost_per_byte_adds_to_the_wire():
