@@ -63,7 +63,8 @@ Which parameters are what:
 * fitted per family (collective, parameter server), by least squares on the
   relative error of every measured point: ``o``, the fixed software overhead
   per message (collective launch, gRPC framing, Python; it does not grow with
-  N), ``beta``, the wire time over the payload time (protocol bytes and
+  N; for the parameter servers, per push or fetch, whatever tensors it
+  carries: ``network._messages``), ``beta``, the wire time over the payload time (protocol bytes and
   lost bandwidth; 1/beta is the effective share of the link), and
   ``gamma``, the software time per byte;
 * assumed: ``alpha_hop``, the network latency per message per hop. Every
@@ -93,6 +94,7 @@ ALPHA_HOP = 20e-6  # assumed per-hop latency (seconds)
 ALPHA_HOP_SENSITIVITY = (5e-6, 20e-6, 50e-6)
 FAMILY = {"dense": "collective", "fp16": "collective", "powersgd": "collective"}
 FAMILY.update(dgc="collective", ps="parameter_server")
+MESSAGE = {"collective": "collective", "parameter_server": "push or fetch"}  # what o is per
 GATHER = ("fp16", "dgc")  # exchanges whose compressor clock excludes the exchange
 HIDDEN = {"1M": 1000, "10M": 3150}
 REFERENCES = [
@@ -275,8 +277,7 @@ def points(network, measure=None):
                 point["payload"] = 4.0 * run["params"]
                 point["shards"] = int(run["ps"])
                 point["every"] = int(run["n"])
-                point["hidden"] = int((run.get("config") or {}).get("hidden", HIDDEN[run["model"]]))
-                point["messages"] = ps_messages(point["hidden"], point["every"], point["shards"])
+                point["messages"] = _ps_messages(run)
                 point["blocks"] = _blocks(run)
                 point["apply"] = float(local_cost("apply_seconds"))
             else:
@@ -305,17 +306,15 @@ def points(network, measure=None):
     return out
 
 
-@functools.cache
-def ps_messages(hidden, every, shards):
-    """Tensors a Downpour worker moves per step with ``shards`` ps tasks (``network._messages``).
+def _ps_messages(run):
+    """Transfers a Downpour worker makes per step (``network._messages``).
 
-    Counted from the configuration, not read from a run: runs recorded
-    before 2026-11-25 counted every variable, but a push or fetch
-    concatenates the whole variables of one ``ps`` task into one tensor.
+    Counted from the run's configuration, not read from it: runs recorded
+    before 2026-11-25 counted a message per variable and shard.
     """
     from benchmarks import network
 
-    return float(network._messages("ps", hidden, every, shards))
+    return float(network._messages("ps", None, int(run["n"]), int(run["ps"])))
 
 
 def _blocks(run):
@@ -421,10 +420,11 @@ def _scenarios(pts):
 
 def _ps_scaled(p, workers):
     """The PS scenario at ``workers``: its shards (one per ``workers_per_shard`` workers, at
-    least the measured ones) and its messages (each worker talks to every shard)."""
+    least the measured ones). A push or fetch reaches every shard at once; its
+    fixed cost stays one transfer's (see ``network._messages``)."""
     per = p.get("workers_per_shard")
     shards = max(p["shards"], workers // per) if per else p["shards"]
-    return dict(p, shards=shards, messages=ps_messages(p["hidden"], p["every"], shards))
+    return dict(p, shards=shards)
 
 
 def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):
@@ -653,7 +653,7 @@ def _save(fig, name):
 
 def _notes(params, worst, loo):
     fitted = "; ".join(
-        f"{f}: o = {1e3 * o:.2f} ms per message, beta = {b:.2f} (effective link share "
+        f"{f}: o = {1e3 * o:.2f} ms per {MESSAGE[f]}, beta = {b:.2f} (effective link share "
         f"{100 / b if b else float('inf'):.0f}%), gamma = {1e9 * g:.2f} ns per byte "
         f"({1e-6 / g if g else float('inf'):.0f} MB/s of software)"
         for f, (o, b, g) in params.items()

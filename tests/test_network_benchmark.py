@@ -29,49 +29,10 @@ def test_messages_per_step():
     # fp16, DGC: the packed buffer and its length; PowerSGD: its two rounds.
     for method in ("fp16", "dgc", "powersgd"):
         assert network._messages(method, 3150) == 2
-    # Downpour, a push and a fetch every n steps, each moving one tensor per
-    # ps task (its whole variables, concatenated) and one per split piece:
-    # 1 shard, one tensor; 2 shards, 1M: the H x H kernel split in 2 plus a
-    # tensor per task; 10M: the 40 x H kernel is split too.
-    assert network._messages("ps", 1000, n=5, ps=1) == pytest.approx(2 * 1 / 5)
-    assert network._messages("ps", 1000, n=5, ps=2) == pytest.approx(2 * 4 / 5)
-    assert network._messages("ps", 3150, n=1, ps=2) == pytest.approx(2 * 6)
-
-
-@pytest.mark.timeout(240)
-def test_transfer_tensors_match_the_strategys_placement(script):
-    # The count the scaling model uses, against where DownpourStrategy really
-    # puts the benchmark model's variables on 2 ps tasks.
-    proc = script(
-        """
-import json
-import keras
-import tfdist_ext
-from benchmarks import _network_run
-from tfdist_ext.cluster import LocalCluster
-counts = {}
-with LocalCluster(num_workers=1, num_ps=2) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
-    for hidden in (1000, 3150):
-        with strategy.scope():
-            net = _network_run.model(keras, hidden)
-        tasks, pieces = set(), 0
-        for v in net.trainable_variables:
-            value = v.value
-            if type(value).__name__ == "ShardedVariable":
-                pieces += len(value.variables)
-            else:
-                tasks.add(value.device)
-        counts[hidden] = len(tasks) + pieces
-print("RESULT " + json.dumps(counts))
-""",
-        env={"PYTHONPATH": REPO},
-        timeout=220,
-    )
-    (line,) = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    counts = json.loads(line[len("RESULT ") :])
-    for hidden, count in counts.items():
-        assert count == network._transfer_tensors(int(hidden), 2), counts
+    # Downpour: a push and a fetch every n steps, each counted once whatever
+    # tensors it carries (one per ps task and per split piece).
+    assert network._messages("ps", 1000, n=5, ps=1) == pytest.approx(2 / 5)
+    assert network._messages("ps", 3150, n=1, ps=2) == pytest.approx(2)
 
 
 def test_row_ideal_and_table():
