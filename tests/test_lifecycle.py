@@ -151,6 +151,40 @@ def test_script_ends_by_itself_without_rpc_errors(script, algorithm, kill):
     assert not _rpc_errors(before.splitlines(), allowed), before[-4000:]
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("block", [True, False], ids=["with_block", "left_to_exit"])
+def test_connected_script_ends_without_rpc_errors(script, block):
+    # connect()'s own example, no strategy: the cluster makes this process's
+    # runtime local before its tasks stop (in stop(), or at exit when the
+    # script never stops it), so TensorFlow does not try to delete its
+    # functions on stopped tasks (an error and a 3 s timeout per task).
+    body = """
+    with tf.device("/job:ps/task:0"):
+        v = tf.Variable(1.0)
+    @tf.function
+    def f():
+        with tf.device("/job:worker/task:0"):
+            return v.read_value() * 2.0
+    print("VALUE", float(f()), flush=True)
+"""
+    if block:
+        source = (
+            "with LocalCluster(num_workers=1, num_ps=1) as cluster:\n    connect(cluster.resolver)"
+        )
+    else:
+        source = "cluster = LocalCluster(num_workers=1, num_ps=1).start()\nif True:\n    connect(cluster.resolver)"
+    source = (
+        "import time\nimport tensorflow as tf\nfrom tfdist_ext.cluster import LocalCluster, connect\n"
+        + source
+        + body
+        + f'print("{LEFT}", time.time(), flush=True)\n'
+    )
+    proc, seconds = _run(script, source, timeout=180)
+    assert "VALUE 2.0" in proc.stdout
+    assert seconds < 30, f"the process ended {seconds:.1f}s after the script's last line"
+    assert not _rpc_errors(proc.stderr.splitlines()), proc.stderr[-4000:]
+
+
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("algorithm", ["downpour", "sandblaster"])
 def test_model_keeps_final_parameters_after_the_block(script, tmp_path, algorithm):

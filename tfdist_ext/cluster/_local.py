@@ -331,7 +331,7 @@ class LocalCluster:
         self._in_hub = False
         self._strategies = weakref.WeakSet()
         self._finalizer = weakref.finalize(
-            self, _shutdown, self._strategies, list(self._tasks.values()), False
+            self, _shutdown, self._strategies, list(self._tasks.values()), False, self._spec
         )
         atexit.register(self._finalizer)
 
@@ -444,7 +444,7 @@ class LocalCluster:
         """
         _RUNNING.discard(self)
         try:
-            _shutdown(self._strategies, list(self._tasks.values()))
+            _shutdown(self._strategies, list(self._tasks.values()), spec=self._spec)
         finally:
             if self._in_hub:
                 self._in_hub = False
@@ -806,9 +806,10 @@ def attach_to_local_cluster(cluster_resolver, strategy):
     return None
 
 
-def _shutdown(strategies, tasks, raise_errors=True):
-    """Closes every strategy, then stops the tasks; the first error a strategy
-    raised is re-raised at the end (logged instead at garbage collection or exit)."""
+def _shutdown(strategies, tasks, raise_errors=True, spec=None):
+    """Closes every strategy and this process's own connection (``connect``),
+    then stops the tasks; the first error a strategy raised is re-raised at
+    the end (logged instead at garbage collection or exit)."""
     errors = []
     try:
         for strategy in list(strategies):
@@ -817,12 +818,32 @@ def _shutdown(strategies, tasks, raise_errors=True):
             except ClusterError as e:
                 errors.append(e)
         strategies.clear()
+        _disconnect_from(spec)
     finally:
         _stop_all(tasks)
     if errors and raise_errors:
         raise errors[0]
     for error in errors:
         logging.getLogger("tfdist_ext").warning("%s", error)
+
+
+def _disconnect_from(spec):
+    """Makes this process's eager runtime local again if ``connect`` joined it
+    to the cluster of ``spec``. Otherwise, once the tasks have stopped,
+    TensorFlow tries to delete its functions on them at exit: an error and a
+    3 s connection timeout per task."""
+    if not spec or "tensorflow" not in sys.modules:
+        return  # nothing can be connected without TensorFlow loaded
+    from tfdist_ext import _integration
+
+    server_def = _integration.eager_context.get_server_def()
+    if server_def is None:
+        return
+    connected = {
+        job.name: [job.tasks[i] for i in sorted(job.tasks)] for job in server_def.cluster.job
+    }
+    if all(connected.get(job) == list(spec[job]) for job in ("worker", "ps") if spec.get(job)):
+        _integration.disconnect_from_cluster()
 
 
 def _stop_all(tasks):
