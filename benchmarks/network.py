@@ -86,7 +86,7 @@ def _run(cfg):
     return _harness.run_in_process("benchmarks._network_run", cfg, timeout=1800)
 
 
-def _messages(method, hidden, n=None, ps=None):
+def _messages(method, n=None):
     """Collectives or transfers per worker step (what the per-message overhead multiplies).
 
     Dense gradients are summed by one batched all-reduce; the gather
@@ -149,7 +149,7 @@ def _row(link, model, cfg, out, compute):
         "busiest_link_bytes": busiest,
         "logical_bytes": logical,
         "link_bytes_per_step": out["link_bytes_per_step"],
-        "messages": _messages(cfg.get("method", "ps"), MODELS[model], cfg.get("n"), cfg.get("ps")),
+        "messages": _messages(cfg.get("method", "ps"), cfg.get("n")),
         "ideal_seconds": ideal,
         "achieved_over_ideal": ideal / step,
         "seconds_to_target": out["seconds_to_target"],

@@ -314,7 +314,7 @@ def _ps_messages(run):
     """
     from benchmarks import network
 
-    return float(network._messages("ps", None, int(run["n"]), int(run["ps"])))
+    return float(network._messages("ps", int(run["n"])))
 
 
 def _blocks(run):

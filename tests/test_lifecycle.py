@@ -8,6 +8,7 @@ block, stderr, and the model after the block.
 """
 
 import json
+import textwrap
 import time
 
 import pytest
@@ -158,24 +159,26 @@ def test_connected_script_ends_without_rpc_errors(script, block):
     # runtime local before its tasks stop (in stop(), or at exit when the
     # script never stops it), so TensorFlow does not try to delete its
     # functions on stopped tasks (an error and a 3 s timeout per task).
-    body = """
-    with tf.device("/job:ps/task:0"):
-        v = tf.Variable(1.0)
-    @tf.function
-    def f():
-        with tf.device("/job:worker/task:0"):
-            return v.read_value() * 2.0
-    print("VALUE", float(f()), flush=True)
-"""
+    body = textwrap.dedent(
+        """
+        connect(cluster.resolver)
+        with tf.device("/job:ps/task:0"):
+            v = tf.Variable(1.0)
+        @tf.function
+        def f():
+            with tf.device("/job:worker/task:0"):
+                return v.read_value() * 2.0
+        print("VALUE", float(f()), flush=True)
+        """
+    )
     if block:
-        source = (
-            "with LocalCluster(num_workers=1, num_ps=1) as cluster:\n    connect(cluster.resolver)"
+        body = "with LocalCluster(num_workers=1, num_ps=1) as cluster:\n" + textwrap.indent(
+            body, "    "
         )
     else:
-        source = "cluster = LocalCluster(num_workers=1, num_ps=1).start()\nif True:\n    connect(cluster.resolver)"
+        body = "cluster = LocalCluster(num_workers=1, num_ps=1).start()\n" + body
     source = (
         "import time\nimport tensorflow as tf\nfrom tfdist_ext.cluster import LocalCluster, connect\n"
-        + source
         + body
         + f'print("{LEFT}", time.time(), flush=True)\n'
     )
