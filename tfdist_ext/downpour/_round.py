@@ -12,7 +12,10 @@ n_push)``, an inner loop of the worker's own ops (a loop with ``ps`` ops
 in it makes every ``ps`` task take part in each of its iterations). While a
 block computes, the previous block's push is applied and the parameters for
 the next fetch point are read after it (DistBelief's background push and
-fetch; one push of staleness, measured). The metrics accumulate on a local
+fetch; one push of staleness, measured). The parameters are read on the
+``ps`` tasks in every block and cross only when a fetch is due, in a cond
+of no stateful op: the next block's push, checked on the worker, crosses
+while they do. The metrics accumulate on a local
 copy too, added to the model's metric variables at the round's end. Round
 boundaries fall exactly where both a fetch and a push are due and the
 round's last push is applied before it ends, so no state has to live on the
@@ -125,18 +128,28 @@ def build_round(model, strategy, version):
     server = _staleness.server_side(strategy, trainable, version, owner is not None)
     bound = strategy.clock_bound()
 
-    def keras_fetch(worker, slot):
-        """The local copy of the parameters and its source: ``(server version, slot)``.
+    homes = [home(v) for v in trainable]
 
-        ``slot`` (0 or 1) is the worker's backup slot on the ps under
-        ``DelayCompensation`` (see ``round_fn``).
+    def keras_before_fetch(worker, slot):
+        """What must happen before a fetch, on the ps: the SSP wait, the backup copy."""
+        with tf.control_dependencies(
+            [bound.before_fetch(worker), server.before_fetch(worker, slot)]
+        ):
+            return tf.constant(True)
+
+    def keras_read(worker, slot):
+        """The parameters read on the ps, still there: ``(packed, source)``.
+
+        ``packed`` is one tensor per ps task (``pack``); ``unpack`` on the
+        worker is where they cross. ``source`` is ``(server version,
+        slot)``: ``slot`` (0 or 1) is the worker's backup slot on the ps
+        under ``DelayCompensation`` (see ``round_fn``).
         """
-        with tf.control_dependencies([bound.before_fetch(worker)]):
-            params, fetched = server.fetch(worker, slot), version.read_value()
-        # The parameters read on the ps (their backup copy under
-        # DelayCompensation) cross as one tensor per ps task.
-        params = one_transfer_per_task(params, [home(v) for v in trainable], to_ps=False)
-        return params, (fetched, slot)
+        params, fetched = server.fetch(worker, slot), version.read_value()
+        return pack(params, homes, on_ps=True), (fetched, slot)
+
+    def keras_unpack(packed):
+        return unpack(packed, trainable, homes, on_ps=False)
 
     def version_only(worker, slot):
         """The user's step reads the parameters itself: only the source."""
@@ -149,13 +162,14 @@ def build_round(model, strategy, version):
         return collector.gradients(), metric_values
 
     if owner is None:
-        fetch = keras_fetch
+        before_fetch, read, unpack_params = keras_before_fetch, keras_read, keras_unpack
         step, metric_vars = keras_local_step(model, optimizer, loss_scale)
     else:
         # The user's step reads the variables where they live (n_fetch is 1),
         # and updates its metrics there too.
         _check_unsplit(trainable, owner)
-        fetch, step = version_only, user_step
+        before_fetch, read, step = (lambda worker, slot: tf.constant(True)), version_only, user_step
+        unpack_params = list
         metric_vars = []
 
     push, state_vars = make_push(
@@ -194,8 +208,12 @@ def build_round(model, strategy, version):
         # start of the next block, before that block's prefetch: at most
         # fetch k + 1 (one per block, the other slot) comes between, so fetch
         # k + 2 never overwrites the slot of a push still to be applied.
+        slot = tf.constant(0, tf.int64)
         with tf.control_dependencies([bound.start(worker)]):
-            params, source = fetch(worker, tf.constant(0, tf.int64))
+            ready = before_fetch(worker, slot)
+        with tf.control_dependencies([ready]):
+            packed, source = read(worker, slot)
+        params = unpack_params(packed)
         prefetched, prefetched_source = params, source
         accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
         # A push in flight: the gradient of `outbox_steps` steps on parameters
@@ -231,8 +249,18 @@ def build_round(model, strategy, version):
             count = tf.minimum(block, num_steps - done)
             done += count
             fetch_due = done % n_fetch == 0 and done < num_steps
+            # The fetch: the ps side's work when due (stateful), then reads on
+            # the ps in every block (no transfer), then the crossing, only
+            # when due, in a cond of no stateful op. The crossing is then
+            # not part of the block's stateful work, which the next block
+            # waits for: the next push crosses while this fetch still does.
+            ready = tf.constant(True)
             if fetch_due:
-                prefetched, prefetched_source = fetch(worker, fetches % 2)
+                ready = before_fetch(worker, fetches % 2)
+            with tf.control_dependencies([ready]):
+                packed, packed_source = read(worker, fetches % 2)
+            if fetch_due:
+                prefetched, prefetched_source = unpack_params(packed), packed_source
                 fetches += 1
             accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
             carried += tf.cast(count, tf.int64)
@@ -443,9 +471,9 @@ class LossScale:
 def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
     """``push(accum, state, step, steps, origin) -> (accepted, state, bytes_sent)`` and the state variables.
 
-    The server checks every push: each ``ps`` task tests the gradient of the
-    variables it owns for NaN/Inf, and ``optimizer`` is applied only if all
-    are finite; an applied push advances ``optimizer.iterations`` by the
+    Every push is checked for NaN/Inf and ``optimizer`` is applied only if
+    all of it is finite: a dense push on the worker, before it crosses; a
+    compressed one on each ``ps`` task, after decompression. An applied push advances ``optimizer.iterations`` by the
     ``steps`` it carries. Without compression the dense gradient is what
     crosses the wire and the optimizer's per-variable updates run on the
     owning ``ps`` task. With a compressor the worker sends the compressed
@@ -460,6 +488,7 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
     """
     compressor = strategy.compression
     iterations = optimizer.iterations.value
+    homes = [home(v) for v in trainable]
 
     def apply(grads, steps, origin):
         # Cross-replica context: each variable's update runs on the ps task
@@ -475,20 +504,29 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
         loss_scale.after_rejected()
         return tf.constant(False)
 
-    def checked_apply(grads, steps, origin):
+    def all_finite(tensors, devices):
         checks = []
-        for g, v in zip(grads, trainable):
-            with tf.device(home(v)):
-                checks.append(tf.reduce_all(tf.math.is_finite(g)))
-        accepted = tf.reduce_all(checks)
+        for t, device in zip(tensors, devices):
+            with tf.device(device):
+                checks.append(tf.reduce_all(tf.math.is_finite(t)))
+        return tf.reduce_all(checks)
+
+    def checked_apply(accepted, grads, steps, origin):
         return tf.cond(accepted, lambda: apply(grads, steps, origin), reject)
 
     if compressor is None:
 
         def push(accum, state, step, steps, origin):
-            grads = one_transfer_per_task(accum, [home(v) for v in trainable], to_ps=True)
-            accepted = checked_apply(grads, steps, origin)
-            return accepted, state, tf.constant(param_bytes, tf.int64)
+            # Checked on the worker, before it crosses: the crossing waits
+            # for no answer from the ps (one that would queue behind a fetch
+            # in flight, see round_fn).
+            accepted = all_finite(accum, [None] * len(accum))
+            grads = one_transfer_per_task(accum, homes, to_ps=True)
+            return (
+                checked_apply(accepted, grads, steps, origin),
+                state,
+                tf.constant(param_bytes, tf.int64),
+            )
 
         return push, []
 
@@ -508,10 +546,12 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
             wires.append(wire)
             candidate.append(s)
         grads = []
-        for wire, v, a in zip(wires, trainable, accum):
-            with tf.device(home(v)):
+        for wire, device, a in zip(wires, homes, accum):
+            with tf.device(device):
                 grads.append(compressor.decompress(wire, a.shape, a.dtype))
-        accepted = checked_apply(grads, steps, origin)
+        # Checked on each ps task after decompression: the wire form can
+        # overflow where the gradient did not (fp16).
+        accepted = checked_apply(all_finite(grads, homes), grads, steps, origin)
         if tf.nest.flatten(candidate):
             state = tf.cond(accepted, lambda: candidate, lambda: state)
         return accepted, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
@@ -536,21 +576,51 @@ def one_transfer_per_task(tensors, homes, to_ps):
     ``to_ps`` (a push), from them otherwise (a fetch). A transfer per
     variable costs more than its bytes.
     """
+    return unpack(pack(tensors, homes, on_ps=not to_ps), tensors, homes, on_ps=to_ps)
+
+
+def pack(tensors, homes, on_ps):
+    """The sending half of :func:`one_transfer_per_task`.
+
+    The tensors of each ``ps`` task (and dtype) concatenated into one, on
+    that task when ``on_ps``, on the worker otherwise; the others as they
+    are. The values cross where :func:`unpack` uses them.
+    """
+    groups = _task_groups(tensors, homes)
+    grouped = {i for _, indices in groups for i in indices}
+    packed = []
+    for device, indices in groups:
+        with tf.device(device if on_ps else None):
+            packed.append(tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0))
+    return packed + [t for i, t in enumerate(tensors) if i not in grouped]
+
+
+def unpack(packed, like, homes, on_ps):
+    """The receiving half: ``pack(tensors, homes, ...)`` split back into tensors shaped as ``like``.
+
+    A list in place of a tensor (the pieces of a variable split across the
+    ``ps`` tasks) is concatenated here.
+    """
+    groups = _task_groups(like, homes)
+    grouped = {i for _, indices in groups for i in indices}
+    tensors = [None] * len(like)
+    for flat, (device, indices) in zip(packed, groups):
+        with tf.device(device if on_ps else None):
+            parts = tf.split(flat, [like[i].shape.num_elements() for i in indices])
+            for i, part in zip(indices, parts):
+                tensors[i] = tf.reshape(part, like[i].shape)
+    rest = iter(packed[len(groups) :])
+    tensors = [next(rest) if i not in grouped else t for i, t in enumerate(tensors)]
+    return [tf.concat(t, 0) if isinstance(t, list) else t for t in tensors]
+
+
+def _task_groups(tensors, homes):
+    """``[(device, indices)]``: the tensors of one ``ps`` task and dtype, where there are several."""
     groups = {}
     for i, device in enumerate(homes):
         if device is not None:
-            groups.setdefault((device, tensors[i].dtype), []).append(i)
-    tensors = list(tensors)
-    for (device, _), indices in groups.items():
-        if len(indices) < 2:
-            continue
-        with tf.device(None if to_ps else device):
-            flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
-        with tf.device(device if to_ps else None):
-            parts = tf.split(flat, [tensors[i].shape.num_elements() for i in indices])
-            for i, part in zip(indices, parts):
-                tensors[i] = tf.reshape(part, tensors[i].shape)
-    return tensors
+            groups.setdefault((device, tf.as_dtype(tensors[i].dtype)), []).append(i)
+    return [(device, indices) for (device, _), indices in groups.items() if len(indices) > 1]
 
 
 def nbytes(variable):

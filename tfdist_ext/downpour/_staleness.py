@@ -6,8 +6,9 @@ how the ``ps`` tasks apply a stale push, and ``max_staleness`` bounds how far
 replicas drift apart (stale synchronous parallel). What runs on the cluster is
 built per traced round by :func:`server_side` (the fetch and the apply of a
 push, on the ``ps`` tasks) and :func:`clock_bound` (the SSP clocks), both
-called from ``_round.py`` at one point each: the fetch, the apply, and the
-start and end of each push block.
+called from ``_round.py`` at one point each: before a fetch (only when one
+is due), the fetch (reads on the ``ps``, in every block; they cross only
+when due), the apply, and the start and end of each push block.
 
 Staleness ``tau`` of a push is the server version (the ``ps`` update counter
 that ``DownpourStats.staleness`` is measured in) when the ``ps`` starts
@@ -223,9 +224,23 @@ class _Plain:
         self.trainable = trainable
 
     @_graph_code
+    def before_fetch(self, worker, slot):
+        """The ps side's work before a fetch (run only when one is due); an op to wait for."""
+        return tf.no_op()
+
+    @_graph_code
     def fetch(self, worker, slot):
-        """The worker's local copy of the parameters (read on the ps)."""
-        return [tf.convert_to_tensor(v.value) for v in self.trainable]
+        """The worker's local copy of the parameters: reads on the ps, nothing else.
+
+        A variable split across the ps tasks is read as its pieces (a list),
+        each on its task.
+        """
+        return [
+            [piece.read_value() for piece in v.value.variables]
+            if isinstance(v.value, _integration.ShardedVariable)
+            else tf.convert_to_tensor(v.value)
+            for v in self.trainable
+        ]
 
     @_graph_code
     def apply(self, optimizer, grads, worker, fetched, slot):
@@ -286,15 +301,25 @@ class _DelayCompensated(_Plain):
         return tf.reshape(2 * tf.cast(worker, tf.int64) + tf.cast(slot, tf.int64), [1])
 
     @_graph_code
+    def before_fetch(self, worker, slot):
+        """Copies the parameters into ``worker``'s backup ``slot`` (on the ps)."""
+        index = self._row(worker, slot)
+        copies = []
+        for v, backup in zip(self.trainable, self.backups):
+            with tf.device(v.value.device):
+                copies.append(
+                    backup.scatter_update(tf.IndexedSlices(v.value.read_value()[None], index))
+                )
+        return tf.group(copies)
+
+    @_graph_code
     def fetch(self, worker, slot):
-        """Copies the parameters into ``worker``'s backup ``slot`` (on the ps); the worker reads it."""
+        """The worker reads its backup ``slot``: what ``before_fetch`` copied."""
         index = self._row(worker, slot)
         params = []
         for v, backup in zip(self.trainable, self.backups):
             with tf.device(v.value.device):
-                copy = backup.scatter_update(tf.IndexedSlices(v.value.read_value()[None], index))
-                with tf.control_dependencies([copy]):
-                    params.append(backup.sparse_read(index)[0])
+                params.append(backup.sparse_read(index)[0])
         return params
 
     @_graph_code
