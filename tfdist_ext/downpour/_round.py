@@ -15,8 +15,8 @@ the next fetch point are read after it (DistBelief's background push and
 fetch; one push of staleness, measured). The parameters are read on the
 ``ps`` tasks in every block and cross only when a fetch is due, in a cond
 of no stateful op: the next block's push, checked on the worker, crosses
-while they do. The metrics accumulate on a local
-copy too, added to the model's metric variables at the round's end. Round
+while they do. The metrics accumulate on a local copy too, added to the
+model's metric variables at the round's end. Round
 boundaries fall exactly where both a fetch and a push are due and the
 round's last push is applied before it ends, so no state has to live on the
 worker between rounds: a lost worker loses only its unsent gradients.
@@ -473,8 +473,9 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server):
 
     Every push is checked for NaN/Inf and ``optimizer`` is applied only if
     all of it is finite: a dense push on the worker, before it crosses; a
-    compressed one on each ``ps`` task, after decompression. An applied push advances ``optimizer.iterations`` by the
-    ``steps`` it carries. Without compression the dense gradient is what
+    compressed one on each ``ps`` task, after decompression. An applied
+    push advances ``optimizer.iterations`` by the ``steps`` it carries.
+    Without compression the dense gradient is what
     crosses the wire and the optimizer's per-variable updates run on the
     owning ``ps`` task. With a compressor the worker sends the compressed
     wire form, the owning ``ps`` task decompresses it, and the compressor's
