@@ -87,12 +87,16 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     # Where fit's traced round computes Adagrad's update of the split kernel:
     # piece by piece, each piece's on its own ps task.
     pieces = {{tuple(p.shape) for p in kernel.variables}}
-    sqrt_devices = set()
+    # And where its pieces are copied before they cross to the worker (a
+    # value sent straight from its read stalls the round: _round.pack).
+    sqrt_devices, copy_devices = set(), set()
     (round_fn,) = strategy._runtime.round_functions()
     def walk(graph):
         for op in graph.get_operations():
             if op.type == "Sqrt" and tuple(op.outputs[0].shape) in pieces:
                 sqrt_devices.add(op.device)
+            if op.type == "DeepCopy" and tuple(op.outputs[0].shape) in pieces:
+                copy_devices.add(op.device)
         for f in graph._functions.values():
             walk(f.graph)
     for f in round_fn._list_all_concrete_functions():
@@ -104,7 +108,7 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
            predict_accuracy=float((logits.argmax(1) == y_test).mean()),
            predict_shape=list(logits.shape), placement=placement,
            sharded=type(kernel).__name__, shard_bytes=strategy.shard_bytes(),
-           sqrt_devices=sorted(sqrt_devices),
+           sqrt_devices=sorted(sqrt_devices), copy_devices=sorted(copy_devices),
            batches=[s for s in seen if s[0] != "epoch"][:3], epochs=[s for s in seen if s[0] == "epoch"],
            stats=strategy.stats.summary(), per_worker=strategy.stats.steps_per_worker)
     reloaded = keras.models.load_model({str(tmp_path / "m.keras")!r})
@@ -144,6 +148,7 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     assert r["sqrt_devices"] == [f"/job:ps/replica:0/task:{i}/device:CPU:0" for i in (0, 1)], r[
         "sqrt_devices"
     ]
+    assert r["copy_devices"] == r["sqrt_devices"], r["copy_devices"]
     off_ps = {k: d for k, d in r["placement"].items() if not all("/job:ps/" in x for x in d)}
     assert not off_ps, off_ps
     assert len(r["placement"]["sequential/dense/kernel"]) == 2

@@ -217,6 +217,17 @@ def server_side(strategy, trainable, version, custom_step=False):
     return _Plain(trainable)
 
 
+def _read_on(variable):
+    """``variable``'s value, read on its own device.
+
+    For a piece of a split variable: without the scope, ``read_value``'s
+    identity is placed on the worker, so the raw read crosses, and
+    ``_round.pack``'s copy on the ps sends it back and forth again.
+    """
+    with tf.device(variable.device):
+        return variable.read_value()
+
+
 class _Plain:
     """Plain Downpour: the worker reads the parameters; the push is applied as is."""
 
@@ -236,7 +247,7 @@ class _Plain:
         each on its task.
         """
         return [
-            [piece.read_value() for piece in v.value.variables]
+            [_read_on(piece) for piece in v.value.variables]
             if isinstance(v.value, _integration.ShardedVariable)
             else tf.convert_to_tensor(v.value)
             for v in self.trainable
