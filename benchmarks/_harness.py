@@ -87,6 +87,9 @@ def figure(case, system, metric, unit, samples, **extra):
 
 
 def machine_info():
+    """Where a result was measured. ``vector_isa`` is the widest x86 SIMD set
+    the cores report: the same CPU model name can hide machines whose compute
+    differs by several times (with and without AVX-512)."""
     info = {
         "platform": platform.platform(),
         "python": sys.version.split()[0],
@@ -98,6 +101,10 @@ def machine_info():
             for line in f:
                 if line.startswith("model name"):
                     info["processor"] = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    isa = [f for f in ("avx512f", "avx2", "avx", "sse4_2") if f in flags]
+                    info["vector_isa"] = isa[0] if isa else None
                     break
         with open("/proc/meminfo") as f:
             info["memory_kib"] = int(f.readline().split()[1])

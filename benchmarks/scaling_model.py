@@ -28,17 +28,18 @@ stays when the link is unlimited (``B`` infinite).
   parameters), then a fetch, which holds each shard's outbound link; a round
   starts with a fetch and ends with its last push applied. Within a round a
   block's push and fetch cross while the next block computes (one push of
-  staleness), but one after the other (TensorFlow's loop does not overlap
-  them: measured), so a round takes its first fetch, its first block, its
-  last push and, for each other block, the longer of the block and a push
-  plus a fetch. A transfer's time does not vary, so one arriving at a busy
-  link waits for half of the transfer in progress (MVA's residual service
-  time for constant service), not all of it. With w = S g::
+  staleness), each on its own direction of the links at once (measured:
+  the worker's veth counters show both directions busy together), so a
+  round takes its first fetch, its first block, its last push and, for
+  each other block, the longest of the block, a push and a fetch. A
+  transfer's time does not vary, so one arriving at a busy link waits for
+  half of the transfer in progress (MVA's residual service time for
+  constant service), not all of it. With w = S g::
 
       Z = n (c + m (o + alpha_hop))                   (one block)
       D_in = (w + A) / k,   D_out = w / k            (per shard, per transfer)
       for j = 1..N:  push = k D_in (1 + Q_in - U_in / 2),  fetch likewise
-                     C = fetch + Z + push + (b - 1) max(Z, push + fetch)
+                     C = fetch + Z + push + (b - 1) max(Z, push, fetch)
                      X = j / C,  Q_s = X b (push or fetch) / k,  U_s = X b D_s
       T = 1 / (X b n)      (seconds per system step, one worker's batch)
 
@@ -169,14 +170,13 @@ def ps_seconds(
     on its own cores). After each block comes a push (each shard's inbound
     link, then its update of its share of the parameters) and a fetch after
     it (each shard's outbound link); a round starts with a fetch. Within a
-    round a block's push and fetch cross while the next block computes, but
-    one after the other: in TensorFlow's block loop a worker's push and its
-    next fetch do not overlap (a loop probe, ``docs/architecture.md`` "On a
-    slow link": two transfer times an iteration). So a round takes its
-    first fetch, its first block, its last push and, for each other block,
-    the longer of its compute and a push plus a fetch. A worker waits while
-    another's transfer holds a shard's link (:func:`residence`). One worker
-    gets the serial sum; many saturate the busiest shard.
+    round a block's push and fetch cross while the next block computes, at
+    once, in opposite directions (``docs/architecture.md`` "On a slow
+    link"). So a round takes its first fetch, its first block, its last
+    push and, for each other block, the longest of its compute, a push and
+    a fetch. A worker waits while another's transfer holds a shard's link
+    (:func:`residence`). One worker gets the serial sum; many saturate the
+    busiest shard.
     """
     wire = params_bytes * byte_seconds(bps, beta, gamma)
     block = every * (c + messages * (o + alpha_hop))
@@ -187,7 +187,7 @@ def ps_seconds(
         push, fetch = (
             shards * residence(d, q, u) for d, q, u in zip(demands, queues, utilisations)
         )
-        cycle = fetch + block + push + (blocks - 1) * max(block, push + fetch)
+        cycle = fetch + block + push + (blocks - 1) * max(block, push, fetch)
         rounds_per_second = n / cycle
         # Little's law at one shard's link: a round visits it `blocks` times.
         visits = rounds_per_second * blocks
