@@ -83,10 +83,11 @@ def test_parameter_server_rounds_hide_pushes_behind_blocks():
     kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0, shards=1, apply=0.0)
     # One worker, rounds of 3 blocks of 5 steps, 1.0 s of compute a block and
     # 3.2 s a transfer: the first fetch, the first block, the last push, and
-    # for each other block the longer of its compute and its push and fetch,
-    # which cross one after the other.
+    # for each other block the longest of its compute, its push and its next
+    # fetch, which cross at once in opposite directions: one transfer time,
+    # not two.
     three = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=3)
-    assert three == pytest.approx((3.2 + 1.0 + 3.2 + 2 * 6.4) / 15)
+    assert three == pytest.approx((3.2 + 1.0 + 3.2 + 2 * 3.2) / 15)
     # Compute longer than a push: the pushes hide behind the blocks.
     slow = M.ps_seconds(2.0, 4e7, 1, 1e8, **kw, every=5, blocks=3)
     assert slow == pytest.approx((3.2 + 10.0 + 3.2 + 2 * 10.0) / 15)
