@@ -29,8 +29,8 @@ stays when the link is unlimited (``B`` infinite).
   starts with a fetch and ends with its last push applied. Within a round a
   block's push and fetch cross while the next block computes (one push of
   staleness), each on its own direction of the links at once (measured:
-  the worker's veth counters show both directions busy together), so a
-  round takes its first fetch, its first block, its last push and, for
+  per-block timestamps show blocks of about one transfer time, not two;
+  ``docs/architecture.md`` "On a slow link"), so a round takes its first fetch, its first block, its last push and, for
   each other block, the longest of the block, a push and a fetch. A
   transfer's time does not vary, so one arriving at a busy link waits for
   half of the transfer in progress (MVA's residual service time for
