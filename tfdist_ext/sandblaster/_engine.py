@@ -55,7 +55,9 @@ class PassReport(
     state), ``seconds``, ``slices``, ``copies`` (slice computations started,
     including backups and redone ones), ``backups`` (backup copies started),
     ``wasted`` (copies finished after another copy had counted), ``lost_workers``
-    (workers lost during the pass), ``slices_per_worker`` (counted slices by
+    (workers found lost while the pass ran, or since the previous pass ended:
+    a backup copy still running when its pass ended can fail later),
+    ``slices_per_worker`` (counted slices by
     worker), ``received_bytes`` (bytes the coordinator received from workers).
     """
 
@@ -110,6 +112,7 @@ class Evaluator:
         self._pass = None
         self._passes = 0
         self._dead = set()
+        self._unreported = []  # workers lost between passes: named by the next report
         self._fresh = [None] * len(self.devices)
         self._threads = []
         self._closed = False
@@ -200,9 +203,7 @@ class Evaluator:
         deadline = self.strategy.deadline
         t0 = time.perf_counter()
         with self._cv:
-            self._passes += 1
-            p = self._pass = _Pass(self._passes, self.slices)
-            self._cv.notify_all()
+            p = self._begin_pass()
             try:
                 while len(p.results) < len(p.slices):
                     if p.error is not None:
@@ -242,6 +243,14 @@ class Evaluator:
         )
         self.strategy.passes.append(report)
         return report
+
+    def _begin_pass(self):
+        """A new current pass, which reports the losses found since the last one (under the lock)."""
+        self._passes += 1
+        p = self._pass = _Pass(self._passes, self.slices)
+        p.lost, self._unreported = self._unreported, []
+        self._cv.notify_all()
+        return p
 
     def _next_task(self, w):
         """The slice worker ``w`` should compute next (called under the lock)."""
@@ -341,14 +350,22 @@ class Evaluator:
         with self._cv:
             self._dead.add(w)
             p.running[s].discard(w)
-            p.lost.append(w)
+            # Reported by the pass running now; a copy that outlived its
+            # pass fails after that pass's report, so the next one names it.
+            current = self._pass
+            if current is not None and not current.finished:
+                current.lost.append(w)
+            else:
+                self._unreported.append(w)
             if not p.finished and s not in p.claimed and not p.running[s]:
                 p.pending.appendleft(s)
             self._cv.notify_all()
         message = str(error).splitlines()[0] if str(error) else type(error).__name__
         tf.get_logger().warning(
-            "Sandblaster: worker %d lost in pass %d (%s); its slices go to the others",
+            "Sandblaster: worker %d lost computing slice %d of pass %d (%s); its slices go "
+            "to the others",
             w,
+            s,
             p.number,
             message,
         )
