@@ -98,11 +98,33 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     train = train.batch(32, drop_remainder=True).repeat()
     h = model.fit(train, epochs=3, steps_per_epoch=40, verbose=0)
     s = strategy.stats.summary()
-    report(sizes=sizes, per_worker=strategy.stats.steps_per_worker, pushes=s["pushes"],
-           loss=h.history["loss"], splits=op_devices(strategy, "SplitV"),
-           ps=[v.value.device for v in model.trainable_variables],
-           metric_counts={m.name: float(m.variables[-1].numpy()) for m in model.metrics
-                          if m.name in ("loss",)})
+    first = dict(sizes=list(sizes), per_worker=strategy.stats.steps_per_worker,
+                 pushes=s["pushes"], loss=h.history["loss"],
+                 splits=op_devices(strategy, "SplitV"),
+                 ps=[v.value.device for v in model.trainable_variables],
+                 metric_counts={m.name: float(m.variables[-1].numpy()) for m in model.metrics
+                                if m.name in ("loss",)})
+    # Rounds of steps_per_execution steps: while the chief waits for an
+    # epoch's first round, the other worker already has a round of its own.
+    with strategy.scope():
+        model = mlp()
+        model.compile(optimizer=keras.optimizers.Adagrad(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=10)
+    strategy.stats.reset()
+    del sizes[:]
+    at_first_batch = []
+    class FirstBatch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.marked = False
+        def on_train_batch_end(self, batch, logs=None):
+            if not self.marked:
+                at_first_batch.append(len(sizes))
+                self.marked = True
+    model.fit(train, epochs=2, steps_per_epoch=40, verbose=0, callbacks=[FirstBatch()])
+    report(**first, spe_sizes=list(sizes), at_first_batch=at_first_batch,
+           spe_steps=strategy.stats.summary()["steps"],
+           spe_iterations=int(model.optimizer.iterations.numpy()))
 """,
         timeout=280,
     )
@@ -118,6 +140,13 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # the ps; the parameters cross back as one tensor, split on the worker.
     (ps,) = set(r["ps"])
     assert set(r["splits"]) == {ps, ""}, r["splits"]
+    # With steps_per_execution = 10: by the first batch's end of each epoch
+    # both workers had a round (the epoch's next one scheduled ahead; 4 rounds
+    # an epoch, counted from the start of the fit), and
+    # every step still ran exactly once.
+    assert r["at_first_batch"] == [2, 6], r["at_first_batch"]
+    assert r["spe_sizes"] == [10] * 8, r["spe_sizes"]
+    assert r["spe_steps"] == r["spe_iterations"] == 80, r
 
 
 @pytest.mark.timeout(300)

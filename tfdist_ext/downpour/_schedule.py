@@ -169,9 +169,11 @@ class TrainFunction:
         self._collect()
         if self.strategy.stats.steps == self._epoch_base["steps"]:
             # Nothing of this epoch has finished yet: wait for its first
-            # round so that callbacks never see the reset metrics' zeros.
+            # round so that callbacks never see the reset metrics' zeros,
+            # with every other worker given a round of its own meanwhile.
             if self._pending and not self._inflight:
                 self._schedule_ahead()
+            self._occupy_idle_workers()
             self._wait(lambda: self.strategy.stats.steps > self._epoch_base["steps"])
             self._read_logs()
         elif time.monotonic() - self._last_read > 0.5:
@@ -212,6 +214,29 @@ class TrainFunction:
         self._ahead = size - self._pending
         self._scheduled_steps += self._ahead
         self._schedule(size)
+
+    def _occupy_idle_workers(self):
+        """Schedules rounds of the epoch's later steps ahead, up to one a worker.
+
+        While the chief waits for an epoch's first round, Keras asks for no
+        more steps, so without this the other workers would idle through
+        that whole round (with ``steps_per_execution`` rounds, a third of
+        a 2-worker ``fit`` of four rounds). Only steps the epoch is known to
+        have (``steps_per_epoch`` or a sized dataset) are scheduled; they are
+        counted off as Keras asks for them.
+        """
+        if self.epoch_steps is None or self._pending:
+            return
+        if self._scheduled_steps < self.strategy.warmstart_steps:
+            return
+        while len(self._inflight) < self.strategy.num_workers:
+            left = self.epoch_steps - self.steps_since_finish - self._ahead
+            size = min(self.round_size, left)
+            if size <= 0:
+                return
+            self._ahead += size
+            self._scheduled_steps += size
+            self._schedule(size)
 
     def _schedule(self, steps):
         self._pending = 0
