@@ -13,6 +13,9 @@ SYSTEMS = (
 )
 
 
+# The longest default test on a 2-core machine (70 s): run by `tox -e tests-all`;
+# the README's "stale gradients and elastic averaging" block covers the same API.
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_tutorial_06_staleness_and_elastic_averaging_runs(tutorial):
     out = tutorial("06_staleness_and_elastic_averaging.py", "--quick", timeout=400)
