@@ -103,26 +103,3 @@ def test_console_script_dispatches_to_server():
     )
     assert proc.returncode == 2
     assert "TF_CONFIG must be a JSON object" in proc.stderr
-
-
-@pytest.mark.timeout(120)
-def test_a_server_imports_tensorflow_without_keras_and_keras_still_imports_after():
-    """A task starts faster without Keras (it never builds a Keras object); nothing else changes."""
-    code = (
-        "import sys\n"
-        "from tfdist_ext.server import _import_tensorflow_without_keras\n"
-        "tf = _import_tensorflow_without_keras()\n"
-        "print('keras' in sys.modules, 'sklearn' in sys.modules)\n"
-        "import keras\n"
-        "print(keras.optimizers.Adagrad.__name__, tf.keras.layers.Dense.__name__)\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"),
-        timeout=100,
-        stdin=subprocess.DEVNULL,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.split() == ["False", "False", "Adagrad", "Dense"]

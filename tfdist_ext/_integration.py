@@ -51,12 +51,6 @@ What we rely on, and why no public API does it:
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
   extension points a Downpour round needs.
-* Not a symbol, and outside this module because it must run before
-  TensorFlow is imported: ``tfdist-ext server`` imports TensorFlow without
-  the ``keras.src.optimizers`` import TensorFlow's ``__init__`` makes inside
-  a ``try`` (``server._import_tensorflow_without_keras``; a task never
-  builds a Keras object). If TensorFlow changes that, a task only starts
-  slower.
 
 Keras is pinned in ``setup.cfg`` to :data:`KERAS_TESTED`'s range; CI tests
 both ends (tox envs ``keras-oldest`` and ``keras-newest``).

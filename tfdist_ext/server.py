@@ -125,7 +125,8 @@ def _serve(args):
 
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     with native_log_without(TF_START_UP_NOISE):
-        tf = _import_tensorflow_without_keras()
+        import tensorflow as tf
+
         inter_op = args.inter_op_threads or len(cluster.get("worker", ())) + 1
         config = tf.compat.v1.ConfigProto(
             inter_op_parallelism_threads=inter_op,
@@ -147,31 +148,6 @@ def _serve(args):
         )
     print(f"READY {task_type}:{task_index} {address}", flush=True)
     _wait_for_a_signal(server)
-
-
-def _import_tensorflow_without_keras():
-    """``import tensorflow``, without the Keras import it makes for itself.
-
-    TensorFlow's ``__init__`` imports ``keras.src.optimizers`` (so that
-    Keras registers its optimizers for SavedModel loading) inside a ``try``
-    that passes over an ``ImportError``. A server only runs the graphs the
-    chief sends; it never builds or loads a Keras object, and that import
-    (all of Keras, and scikit-learn through Keras's wrappers) is 40% of
-    TensorFlow's import here: 5.5 s against 3.8 s per task on a 2-core
-    machine. A ``None`` in ``sys.modules`` is an ``ImportError`` for that
-    one name; it is removed again afterwards, so a later ``import keras``
-    works as usual. Should TensorFlow change, the task only starts slower.
-    """
-    name = "keras.src.optimizers"
-    skip = "keras" not in sys.modules and name not in sys.modules
-    if skip:
-        sys.modules[name] = None
-    try:
-        import tensorflow as tf
-    finally:
-        if skip and sys.modules.get(name, 0) is None:
-            del sys.modules[name]
-    return tf
 
 
 def _wait_for_a_signal(server):
