@@ -20,31 +20,32 @@ stays when the link is unlimited (``B`` infinite).
       T = c + a(N) + m o + (N-1) m alpha_hop + (N-1) s g
 
 * sharded parameter servers (Downpour, k shards, N workers, push and fetch of
-  S bytes of float32 parameters every n steps) as a closed queueing network
-  solved by approximate mean value analysis (MVA). Each worker runs rounds
-  of b blocks of n local steps (``steps_per_execution`` = b n). After each
-  block comes a push, which holds each shard's inbound link for its share
-  of the bytes and the shard's Adagrad update of its share (A for all the
-  parameters), then a fetch, which holds each shard's outbound link; a round
-  starts with a fetch and ends with its last push applied. Within a round a
-  block's push and fetch cross while the next block computes (one push of
-  staleness), each on its own direction of the links at once (measured:
-  per-block timestamps show blocks of about one transfer time, not two;
-  ``docs/architecture.md`` "On a slow link"), so a round takes its first fetch, its first block, its last push and, for
-  each other block, the longest of the block, a push and a fetch. A
-  transfer's time does not vary, so one arriving at a busy link waits for
-  half of the transfer in progress (MVA's residual service time for
-  constant service), not all of it. With w = S g::
+  S bytes of float32 parameters every n steps), from the round's timeline.
+  Each worker runs rounds of b blocks of n local steps
+  (``steps_per_execution`` = b n); each block's gradient is pushed (all of
+  it over the worker's own link, a 1/k share over each shard's, then each
+  shard's update of its share, A for all the parameters) and the next
+  block's parameters fetched while the next block computes, a push and a
+  fetch crossing at once in opposite directions. A round fills and drains:
+  its first two fetches and its last two pushes have nothing to cross with
+  (measured on every task's link counters; ``docs/architecture.md`` "On a
+  slow link"), so alone it takes b + 2 transfer times when the wire sets
+  the pace. The N workers' rounds share each shard's links, which carry
+  b transfers of w / k each way per round per worker. A round takes the
+  longer of the two (operational analysis's asymptotic bounds: with
+  transfers of fixed size at a fixed rate the bottleneck is reached, not
+  approached). With w = S g::
 
       Z = n (c + m (o + alpha_hop))                   (one block)
-      D_in = (w + A) / k,   D_out = w / k            (per shard, per transfer)
-      for j = 1..N:  push = k D_in (1 + Q_in - U_in / 2),  fetch likewise
-                     C = fetch + Z + push + (b - 1) max(Z, push, fetch)
-                     X = j / C,  Q_s = X b (push or fetch) / k,  U_s = X b D_s
-      T = 1 / (X b n)      (seconds per system step, one worker's batch)
+      alone = w + max(Z, w) + (b - 2) max(Z, w + A) + max(Z, w) + w + A
+      C = max(alone, N b (w + A) / k)
+      T = C / (N b n)      (seconds per system step, one worker's batch)
 
-  One worker pays 2w + A + Z per round of one block; many saturate the
-  busiest shard (T tends to (w + A) / (k n)).
+  One worker with b = 1 pays 2w + A + Z per round; many saturate the
+  busiest shard (T tends to (w + A) / (k n)). Before 2026-11-26 this was a
+  closed queueing network solved by approximate mean value analysis with a
+  round of b + 1 transfers; it fitted 33 of the 45 points of the night
+  run within 15%, this form 39.
 
 ``c`` is the measured compute time per step plus, for the gather exchanges
 (fp16, DGC), the compressor's own time as the strategy clocks it and the
@@ -164,48 +165,43 @@ def ps_seconds(
 ):
     """Seconds per system step (one worker's batch) of sharded parameter servers.
 
-    A closed queueing network solved by (approximate) mean value analysis.
     Each of the N workers cycles through rounds of ``blocks`` blocks of
     ``every`` local steps (``c`` and the software overhead of its messages,
-    on its own cores). After each block comes a push (each shard's inbound
-    link, then its update of its share of the parameters) and a fetch after
-    it (each shard's outbound link); a round starts with a fetch. Within a
-    round a block's push and fetch cross while the next block computes, at
-    once, in opposite directions (``docs/architecture.md`` "On a slow
-    link"). So a round takes its first fetch, its first block, its last
-    push and, for each other block, the longest of its compute, a push and
-    a fetch. A worker waits while another's transfer holds a shard's link
-    (:func:`residence`). One worker gets the serial sum; many saturate the
-    busiest shard.
+    on its own cores). A round's pushes and fetches move all the parameters
+    over the worker's own link (w each) and its share over each shard's;
+    the shard then applies its share of the update (``apply`` in all). A
+    block's push and the next fetch cross at once, in opposite directions,
+    while the next block computes (``docs/architecture.md`` "On a slow
+    link"), but the round fills and drains: its first two fetches and its
+    last two pushes have nothing to cross with (:func:`round_alone`). The
+    round takes the longer of that, which is one worker's round, and the
+    busiest shard link's time for the N workers' rounds (operational
+    analysis's asymptotic bounds; for transfers of fixed size at a fixed
+    rate the bottleneck is reached, not approached).
     """
     wire = params_bytes * byte_seconds(bps, beta, gamma)
     block = every * (c + messages * (o + alpha_hop))
-    # Per shard and per transfer: inbound (push and update), outbound (fetch).
-    demands = ((wire + apply) / shards, wire / shards)
-    queues = utilisations = (0.0, 0.0)
-    for n in range(1, workers + 1):
-        push, fetch = (
-            shards * residence(d, q, u) for d, q, u in zip(demands, queues, utilisations)
-        )
-        cycle = fetch + block + push + (blocks - 1) * max(block, push, fetch)
-        rounds_per_second = n / cycle
-        # Little's law at one shard's link: a round visits it `blocks` times.
-        visits = rounds_per_second * blocks
-        queues = [visits * r / shards for r in (push, fetch)]
-        utilisations = [visits * d for d in demands]
-    return 1.0 / (rounds_per_second * every * blocks)
+    alone = round_alone(block, wire, wire + apply, wire, blocks)
+    # Every round crosses each shard's inbound link `blocks` times (its share
+    # of a push, then its update) and its outbound link as often.
+    busiest_shard = workers * blocks * (wire + apply) / shards
+    return max(alone, busiest_shard) / (workers * blocks * every)
 
 
-def residence(demand, queue, utilisation):
-    """Time at a link of one transfer of ``demand`` seconds that finds ``queue`` waiting there.
+def round_alone(block, fetch, push, transfer, blocks):
+    """Seconds of one worker's round of ``blocks`` blocks on otherwise idle links.
 
-    Mean value analysis for a first-come-first-served centre whose service
-    time does not vary (a transfer of fixed bytes at a fixed rate): an
-    arriving transfer waits for the ones queued and for half of the one
-    being served, not all of it (exponential service's memoryless residual):
-    ``demand * (1 + queue - utilisation / 2)``.
+    ``fetch`` and ``push`` are the times of the round's first fetch and last
+    push (the push with its update); ``transfer`` that of one crossing alone.
+    A round is its first fetch; block 1, while the fetch for block 2 crosses;
+    each middle block, while the previous block's push and the next fetch
+    cross at once; the last block, while the previous push crosses; and its
+    own push: b + 2 transfer times when the wire sets the pace, not b.
     """
-    return demand * (1.0 + queue - utilisation / 2.0)
+    if blocks == 1:
+        return fetch + block + push
+    middle = (blocks - 2) * max(block, push, fetch)
+    return fetch + max(block, transfer) + middle + max(block, transfer) + push
 
 
 def aggregate_at(point, workers):
@@ -477,7 +473,7 @@ def run(quick=False, seed=0):
     return {
         "candidate": "analytic model (compute + measured compressor/aggregation/update time + "
         "per-message overhead o + per-hop latency alpha_hop + beta x bytes / link rate, per "
-        "topology; sharded PS as a queue), fitted to the network benchmark",
+        "topology; sharded PS from its round's timeline and the busiest shard), fitted to the network benchmark",
         "peer": "the measured points of benchmarks/results/" + name,
         "source": name,
         "source_quick": bool(network.get("quick")),

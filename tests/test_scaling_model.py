@@ -63,12 +63,13 @@ def test_parameter_server_closed_queue():
     assert one == pytest.approx(0.2 + 3.2 + 0.8 + 3.2)
     every5 = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, shards=1, every=5, apply=0.0)
     assert every5 == pytest.approx((5 * 0.2 + 2 * 3.2) / 5)
-    # Two workers, one shard, by hand (mean value analysis): with one worker
-    # each link is busy 3.2 of every 6.6 s; the second worker's transfer
-    # waits, on average, for half of one (a transfer's time does not vary).
-    residence = 3.2 * (1 + 3.2 / 6.6 - 3.2 / 6.6 / 2)
+    # Two workers, one shard: each of the shard's links is busy 6.4 s of
+    # every 6.6 s round, so the round sets the pace; a third worker saturates
+    # the shard (9.6 s of its links a round).
     two = M.ps_seconds(0.2, 4e7, 2, 1e8, **kw, shards=1, every=1, apply=0.0)
-    assert two == pytest.approx((0.2 + 2 * residence) / 2)
+    assert two == pytest.approx(6.6 / 2)
+    three = M.ps_seconds(0.2, 4e7, 3, 1e8, **kw, shards=1, every=1, apply=0.0)
+    assert three == pytest.approx(9.6 / 3)
     # Many workers saturate the busiest shard: its inbound link and update.
     kw = dict(o=1e-3, beta=1.0, messages=12, alpha_hop=0.0)
     for workers in (128, 256):
@@ -82,12 +83,12 @@ def test_parameter_server_closed_queue():
 def test_parameter_server_rounds_hide_pushes_behind_blocks():
     kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0, shards=1, apply=0.0)
     # One worker, rounds of 3 blocks of 5 steps, 1.0 s of compute a block and
-    # 3.2 s a transfer: the first fetch, the first block, the last push, and
-    # for each other block the longest of its compute, its push and its next
-    # fetch, which cross at once in opposite directions: one transfer time,
-    # not two.
+    # 3.2 s a transfer: the first fetch; block 1 while the second fetch
+    # crosses; block 2 while push 1 and fetch 3 cross at once (one transfer
+    # time, not two); block 3 while push 2 crosses; push 3. b + 2 transfers.
     three = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=3)
-    assert three == pytest.approx((3.2 + 1.0 + 3.2 + 2 * 3.2) / 15)
+    assert three == pytest.approx(5 * 3.2 / 15)
+    assert M.round_alone(1.0, 3.2, 3.2, 3.2, 3) == pytest.approx(5 * 3.2)
     # Compute longer than a push: the pushes hide behind the blocks.
     slow = M.ps_seconds(2.0, 4e7, 1, 1e8, **kw, every=5, blocks=3)
     assert slow == pytest.approx((3.2 + 10.0 + 3.2 + 2 * 10.0) / 15)
@@ -100,12 +101,17 @@ def test_parameter_server_rounds_hide_pushes_behind_blocks():
         assert by_blocks == sorted(by_blocks, reverse=True)
 
 
-def test_residence_waits_for_half_a_transfer_in_progress():
-    # Constant service: an idle link, the demand; a link busy u of the time
-    # with q transfers there on average, the demand for each queued one
-    # and half of the one in progress.
-    assert M.residence(2.0, 0.0, 0.0) == 2.0
-    assert M.residence(2.0, 0.5, 0.5) == pytest.approx(2.0 * (1 + 0.5 - 0.25))
+def test_parameter_server_two_workers_one_or_two_shards():
+    # The network benchmark's shape: 2 workers, rounds of 4 blocks of 5
+    # steps, 3.2 s a transfer. One shard: its links carry both workers'
+    # 8 transfers a round each way (25.6 s), more than one worker's round
+    # of b + 2 = 6 transfers (19.2 s). Two shards: half each, and the
+    # workers' own rounds set the pace.
+    kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0, apply=0.0, every=5, blocks=4)
+    one = M.ps_seconds(0.1, 4e7, 2, 1e8, **kw, shards=1)
+    assert one == pytest.approx(25.6 / 40)
+    two = M.ps_seconds(0.1, 4e7, 2, 1e8, **kw, shards=2)
+    assert two == pytest.approx(19.2 / 40)
 
 
 def test_ps_messages_are_transfers_counted_from_the_configuration():
