@@ -103,3 +103,34 @@ def test_console_script_dispatches_to_server():
     )
     assert proc.returncode == 2
     assert "TF_CONFIG must be a JSON object" in proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_server_imports_tensorflow_without_keras_and_keras_still_imports_after():
+    """A task starts faster without Keras (it never builds a Keras object); a
+    ``TF_USE_LEGACY_KERAS`` the user set is left alone; ``import keras`` works."""
+    code = (
+        "import os, sys\n"
+        "from tfdist_ext.server import _skip_tensorflows_keras_import as skip\n"
+        "os.environ['TF_USE_LEGACY_KERAS'] = '0'\n"
+        "skip()\n"
+        "print(os.environ['TF_USE_LEGACY_KERAS'])\n"
+        "del os.environ['TF_USE_LEGACY_KERAS']\n"
+        "skip()\n"
+        "print(os.environ['TF_USE_LEGACY_KERAS'])\n"
+        "import tensorflow as tf\n"
+        "print('keras' in sys.modules, 'sklearn' in sys.modules)\n"
+        "import keras\n"
+        "print(keras.optimizers.Adagrad(0.1).__class__.__name__)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"),
+        timeout=100,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["0", "1", "False", "False", "Adagrad"]
