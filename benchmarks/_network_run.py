@@ -532,13 +532,24 @@ def downpour(cfg):
         cluster.stop()
 
 
+def compute(cfg):
+    """The train step's compute alone, on one thread (as each synchronous worker times it)."""
+    import keras
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    (x, y), _ = _data(cfg["seed"])
+    return {"compute_seconds": _compute_seconds(tf, keras, cfg, x, y, cfg["compute_repeats"])}
+
+
 def main():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if sys.argv[1] == "--worker":
         out = worker(json.loads(sys.argv[2]))
     else:
         cfg = json.loads(sys.argv[1])
-        out = {"sync": sync, "downpour": downpour}[cfg["system"]](cfg)
+        out = {"sync": sync, "downpour": downpour, "compute": compute}[cfg["system"]](cfg)
     print("RESULT " + json.dumps(out), flush=True)
 
 

@@ -28,9 +28,9 @@ stays when the link is unlimited (``B`` infinite).
   block's parameters fetched while the next block computes, a push and a
   fetch crossing at once in opposite directions. A round fills and drains:
   its first two fetches and its last two pushes have nothing to cross with
-  (measured on every task's link counters; ``docs/architecture.md`` "On a
-  slow link"), so alone it takes b + 2 transfer times when the wire sets
-  the pace. The N workers' rounds share each shard's links, which carry
+  (measured on every task's link counters at b = 4; ``docs/architecture.md``
+  "On a slow link"), so alone it takes b + 2 transfer times when the wire
+  sets the pace (``round_length`` measures other b). The N workers' rounds share each shard's links, which carry
   b transfers of w / k each way per round per worker. A round takes the
   longer of the two (operational analysis's asymptotic bounds: with
   transfers of fixed size at a fixed rate the bottleneck is reached, not
