@@ -61,24 +61,18 @@ def _model_parameters():
     return scaling_model.fit(scaling_model.points(scaling_model.load(path)))
 
 
-def _predicted(params, row, blocks, shards):
-    """``scaling_model``'s step for this point, in seconds (``None`` without parameters)."""
+def _predicted(params, row):
+    """``scaling_model``'s step for a run's ``row``, in seconds (``None`` without parameters).
+
+    The row is a ``network`` row, so ``scaling_model.points`` reads it as it
+    reads the ``network`` benchmark's (its blocks from the round's steps).
+    """
     if params is None:
         return None
     from benchmarks import scaling_model
 
-    point = {
-        "kind": "ps",
-        "c": row["compute_seconds"],
-        "payload": 4.0 * row["params"],
-        "messages": network._messages("ps", N),
-        "aggregate": (0.0, 0.0),
-        "shards": shards,
-        "every": N,
-        "apply": row["apply_seconds"],
-        "blocks": blocks,
-    }
-    return scaling_model.predict(point, 2, network.LINKS[LINK], params)
+    point = scaling_model.points({"runs": [row]})[0]
+    return scaling_model.predict(point, point["workers"], point["bps"], params)
 
 
 def run(quick=False, seed=0):
@@ -92,7 +86,7 @@ def run(quick=False, seed=0):
             out = network._run(cfg)
             row = network._row(LINK, MODEL, cfg, out, compute)
             row.update(blocks=b, steps_per_round=b * N)
-            row["predicted_seconds"] = _predicted(params, row, b, shards)
+            row["predicted_seconds"] = _predicted(params, row)
             rows.append(row)
             print(
                 f"b={b} ps={shards}: {row['step_seconds']:.3f}s/step "

@@ -30,8 +30,9 @@ stays when the link is unlimited (``B`` infinite).
   its first two fetches and its last two pushes have nothing to cross with
   (measured on every task's link counters at b = 4; ``docs/architecture.md``
   "On a slow link"), so alone it takes b + 2 transfer times when the wire
-  sets the pace (``round_length`` measures other b). The N workers' rounds share each shard's links, which carry
-  b transfers of w / k each way per round per worker. A round takes the
+  sets the pace (``round_length`` measures other b). The N workers' rounds
+  share each shard's links, which carry b transfers of w / k each way per
+  round per worker. A round takes the
   longer of the two (operational analysis's asymptotic bounds: with
   transfers of fixed size at a fixed rate the bottleneck is reached, not
   approached). With w = S g::
@@ -181,27 +182,28 @@ def ps_seconds(
     """
     wire = params_bytes * byte_seconds(bps, beta, gamma)
     block = every * (c + messages * (o + alpha_hop))
-    alone = round_alone(block, wire, wire + apply, wire, blocks)
+    alone = round_alone(block, wire, wire + apply, blocks)
     # Every round crosses each shard's inbound link `blocks` times (its share
     # of a push, then its update) and its outbound link as often.
     busiest_shard = workers * blocks * (wire + apply) / shards
     return max(alone, busiest_shard) / (workers * blocks * every)
 
 
-def round_alone(block, fetch, push, transfer, blocks):
+def round_alone(block, transfer, push, blocks):
     """Seconds of one worker's round of ``blocks`` blocks on otherwise idle links.
 
-    ``fetch`` and ``push`` are the times of the round's first fetch and last
-    push (the push with its update); ``transfer`` that of one crossing alone.
-    A round is its first fetch; block 1, while the fetch for block 2 crosses;
-    each middle block, while the previous block's push and the next fetch
-    cross at once; the last block, while the previous push crosses; and its
-    own push: b + 2 transfer times when the wire sets the pace, not b.
+    ``transfer`` is the time of one crossing alone (a fetch, or a push before
+    its update), ``push`` that of a push with the shards' update. A round is
+    its first fetch; block 1, while the fetch for block 2 crosses; each
+    middle block, while the previous block's push and the next fetch cross
+    at once; the last block, while the previous push crosses; and its own
+    push: b + 2 transfer times when the wire sets the pace, not b (one
+    worker's count at b = 4; ``round_length`` measures other b).
     """
     if blocks == 1:
-        return fetch + block + push
-    middle = (blocks - 2) * max(block, push, fetch)
-    return fetch + max(block, transfer) + middle + max(block, transfer) + push
+        return transfer + block + push
+    middle = (blocks - 2) * max(block, push, transfer)
+    return transfer + 2 * max(block, transfer) + middle + push
 
 
 def aggregate_at(point, workers):

@@ -111,7 +111,7 @@ def test_round_length_runs_the_network_benchmarks_downpour_with_b_blocks_a_round
     row.update(blocks=8, steps_per_round=40)
     # The model's step for these inputs: its own function, with b = 8 and 2 shards.
     params = {"parameter_server": (0.01, 1.2, 5e-9)}
-    predicted = round_length._predicted(params, row, 8, 2)
+    predicted = round_length._predicted(params, row)
     from benchmarks import scaling_model
 
     expected = scaling_model.ps_seconds(
@@ -129,7 +129,7 @@ def test_round_length_runs_the_network_benchmarks_downpour_with_b_blocks_a_round
         blocks=8,
     )
     assert predicted == pytest.approx(expected)
-    assert round_length._predicted(None, row, 8, 2) is None
+    assert round_length._predicted(None, row) is None
     row["predicted_seconds"] = predicted
     text = _harness.format_table(round_length.table([row]))
     assert "0.6" in text and "40" in text

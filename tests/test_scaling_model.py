@@ -88,7 +88,7 @@ def test_parameter_server_rounds_hide_pushes_behind_blocks():
     # time, not two); block 3 while push 2 crosses; push 3. b + 2 transfers.
     three = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=3)
     assert three == pytest.approx(5 * 3.2 / 15)
-    assert M.round_alone(1.0, 3.2, 3.2, 3.2, 3) == pytest.approx(5 * 3.2)
+    assert M.round_alone(1.0, 3.2, 3.2, 3) == pytest.approx(5 * 3.2)
     # Compute longer than a push: the pushes hide behind the blocks.
     slow = M.ps_seconds(2.0, 4e7, 1, 1e8, **kw, every=5, blocks=3)
     assert slow == pytest.approx((3.2 + 10.0 + 3.2 + 2 * 10.0) / 15)
