@@ -9,6 +9,7 @@ directory (``TMPDIR``) and fails if it leaves ``tfdist-ext*`` entries there.
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,9 +93,10 @@ def run_script(source, *, timeout=240, env=None, expect_ok=True):
             f"script did not finish within {timeout}s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}"
         )
     if expect_ok and proc.returncode != 0:
+        stderr = _quiet(proc.stderr)
         pytest.fail(
-            f"script exited with {proc.returncode}\nstdout:\n{proc.stdout[-5000:]}\n"
-            f"stderr:\n{_quiet(proc.stderr)[-8000:]}"
+            f"script exited with {proc.returncode}\nerrors raised:\n{_raised(stderr)}\n"
+            f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{stderr[-8000:]}"
         )
     return proc
 
@@ -108,6 +110,15 @@ _NOISE = (
     "This could happen",
     "WARNING: All log",
 )
+
+
+_RAISED = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*$", re.MULTILINE)
+
+
+def _raised(stderr):
+    """The lines of ``stderr`` that name a raised exception (a long traceback's
+    tail, all that fits in the report, can leave out the message itself)."""
+    return "\n".join(m.group(0)[:2000] for m in _RAISED.finditer(stderr))
 
 
 def _quiet(stderr):

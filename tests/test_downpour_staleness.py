@@ -244,6 +244,96 @@ def test_ssp_timeout_becomes_cluster_timeout_error_naming_the_workers():
     assert _staleness.explain_timeout(other) is other
 
 
+def _clock_bound(deadline):
+    """An SSP bound of s = 1 over two workers, its variables in this process."""
+    import types
+
+    import tensorflow as tf
+
+    from tfdist_ext.downpour import _staleness
+
+    default = tf.distribute.get_strategy()
+    host = types.SimpleNamespace(
+        max_staleness=1,
+        deadline=deadline,
+        num_workers=2,
+        scope=default.scope,
+        extended=default.extended,
+    )
+    bound = _staleness._ClockBound(host)
+    bound.active.assign([1, 1])
+    fetch = tf.function(lambda: bound.before_fetch(tf.constant(0, tf.int64)))
+    return bound, fetch
+
+
+def _beating(bound, stale_every_other):
+    """A thread writing worker 1's heartbeat: always fresh, or fresh and lost in turn."""
+    import threading
+    import time
+
+    import tensorflow as tf
+
+    stop = threading.Event()
+
+    def beat():
+        fresh = True
+        while not stop.is_set():
+            at = time.time() if fresh else time.time() - 2 * bound.lost_after
+            bound.heartbeat.scatter_update(
+                tf.IndexedSlices(tf.constant([at], tf.float64), tf.constant([1], tf.int64))
+            )
+            fresh = fresh != stale_every_other
+            time.sleep(0.0002)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    return stop, thread
+
+
+@pytest.mark.timeout(120)
+def test_ssp_wait_that_ends_on_a_lost_worker_is_not_failed_by_a_second_reading():
+    # Worker 0 is 5 blocks ahead of worker 1, whose heartbeat flips between
+    # fresh and lost: a wait ends when a reading finds worker 1 lost. It
+    # must pass on that reading; a second one, finding worker 1 alive
+    # again, used to fail it at once as a deadline timeout (a CI run did).
+    bound, fetch = _clock_bound(deadline=30.0)
+    stop, thread = _beating(bound, stale_every_other=True)
+    try:
+        for _ in range(100):
+            bound.clocks.assign([5, 0])
+            assert int(fetch()) <= 1
+    finally:
+        stop.set()
+        thread.join(10)
+    assert bound.lead_histogram().tolist() == [100, 0]
+
+
+@pytest.mark.timeout(120)
+def test_ssp_wait_for_a_live_worker_fails_at_the_deadline_naming_it():
+    import time
+
+    import tensorflow as tf
+
+    from tfdist_ext.cluster import ClusterTimeoutError
+    from tfdist_ext.downpour import _staleness
+
+    bound, fetch = _clock_bound(deadline=2.0)
+    bound.clocks.assign([5, 0])
+    stop, thread = _beating(bound, stale_every_other=False)
+    start = time.monotonic()
+    try:
+        with pytest.raises(tf.errors.InvalidArgumentError) as caught:
+            fetch()
+    finally:
+        stop.set()
+        thread.join(10)
+    assert time.monotonic() - start >= 2.0
+    explained = _staleness.explain_timeout(caught.value)
+    assert isinstance(explained, ClusterTimeoutError)
+    assert "worker 0 waited 2s" in str(explained) and "worker(s) 1 to come" in str(explained)
+    assert bound.clocks.numpy().tolist() == [5, 0]  # the failed fetch did not advance
+
+
 # -- construction and configuration --------------------------------------------
 
 

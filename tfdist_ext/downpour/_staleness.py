@@ -451,20 +451,21 @@ class _ClockBound:
         """Waits while ``worker`` is more than ``s`` blocks ahead, then advances its clock."""
         begin = tf.timestamp()
 
-        def waiting(_):
-            return tf.logical_and(
-                self._state(worker)[0] > self.s, tf.timestamp() - begin < self.deadline
-            )
+        # The lead the loop stopped on is the one checked and counted: a
+        # second reading could find a worker alive again that the loop's
+        # reading had found lost, and fail a wait that ended in time.
+        def waiting(lead):
+            return tf.logical_and(lead > self.s, tf.timestamp() - begin < self.deadline)
 
-        def poll(i):
+        def poll(_):
             with tf.control_dependencies([self._beat(worker)]):
                 slept = _sleep(1000)
             with tf.control_dependencies(slept):
-                return (i + 1,)
+                return (self._state(worker)[0],)
 
-        (polls,) = tf.while_loop(waiting, poll, (tf.constant(0, tf.int64),))
-        with tf.control_dependencies([polls]):
-            lead, live, clocks = self._state(worker)
+        (lead,) = tf.while_loop(waiting, poll, (self._state(worker)[0],))
+        with tf.control_dependencies([lead]):
+            _, live, clocks = self._state(worker)  # for the message only
         behind = tf.where(tf.logical_and(live, clocks < tf.gather(clocks, worker) - self.s))
         check = tf.debugging.Assert(
             lead <= self.s,
