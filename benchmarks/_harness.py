@@ -15,6 +15,8 @@ import statistics
 import sys
 import time
 
+from tfdist_ext.cluster._tf_config import TASK_ENV_DEFAULTS
+
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
@@ -95,6 +97,8 @@ def machine_info():
         "python": sys.version.split()[0],
         "cpu_count": os.cpu_count(),
         "processor": platform.processor(),
+        # TensorFlow's environment switches that change its speed (run.py sets them).
+        "tf_env": {name: os.environ.get(name) for name in TASK_ENV_DEFAULTS},
     }
     try:
         with open("/proc/cpuinfo") as f:

@@ -12,6 +12,7 @@ import sys
 import time
 
 from benchmarks import _harness
+from tfdist_ext.cluster._tf_config import set_task_env_defaults
 
 BENCHMARKS = tuple(
     sorted(
@@ -30,7 +31,10 @@ def main(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # Every process of a run, candidates and peers alike, in the environment
+    # a LocalCluster task gets (TensorFlow's pooling CPU allocator included),
+    # so that no side of a comparison has an allocator the other lacks.
+    set_task_env_defaults(os.environ)
     module = importlib.import_module(f"benchmarks.{args.name}")
     start = time.time()
     result = module.run(quick=args.quick, seed=args.seed)

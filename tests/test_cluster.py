@@ -336,3 +336,41 @@ def test_throttle_keeps_cycling_while_this_process_holds_the_gil():
         with open(f"/proc/{pid}/stat") as f:
             assert f.read().rsplit(")", 1)[1].split()[0] != "T"
         assert cluster.ping()["worker:0"]
+
+
+_ALLOCATOR = (
+    "import tensorflow as tf\n"
+    "tf.ones([4])\n"
+    "try:\n"
+    "    tf.config.experimental.get_memory_info('CPU:0')\n"
+    "    print('ALLOCATOR pool')\n"
+    "except ValueError:\n"
+    "    print('ALLOCATOR default')\n"
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("env", "allocator"), [(None, "pool"), ({"TF_CPU_ALLOCATOR_USE_BFC": "false"}, "default")]
+)
+def test_tasks_get_tensorflows_pooling_cpu_allocator(monkeypatch, env, allocator):
+    # TensorFlow's BFC allocator keeps statistics, the default one has none:
+    # a task's tensors come from the pool unless the cluster's env says not.
+    monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
+    command = [sys.executable, "-c", _ALLOCATOR]
+    with LocalCluster(num_workers=1, num_ps=0, chief=False, command=command, env=env) as cluster:
+        assert cluster.wait(timeout=90) == {"worker:0": 0}
+        assert f"ALLOCATOR {allocator}" in cluster.output("worker", 0)
+
+
+@pytest.mark.timeout(120)
+def test_a_users_allocator_choice_is_kept(monkeypatch):
+    from tfdist_ext.cluster._tf_config import set_task_env_defaults
+
+    monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
+    command = [sys.executable, "-c", _ALLOCATOR]
+    with LocalCluster(num_workers=1, num_ps=0, chief=False, command=command) as cluster:
+        assert cluster.wait(timeout=90) == {"worker:0": 0}
+        assert "ALLOCATOR default" in cluster.output("worker", 0)
+    env = set_task_env_defaults({"TF_CPP_MIN_LOG_LEVEL": "0"})
+    assert env == {"TF_CPP_MIN_LOG_LEVEL": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}

@@ -28,6 +28,7 @@ from tfdist_ext._stderr import native_log_without
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 from tfdist_ext.cluster._tf_config import TFConfigError
 from tfdist_ext.cluster._tf_config import parse_tf_config
+from tfdist_ext.cluster._tf_config import set_task_env_defaults
 
 
 def _watch_parent(parent_pid, interval=0.5):
@@ -123,7 +124,7 @@ def _serve(args):
     if parent:
         _watch_parent(int(parent))
 
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    set_task_env_defaults(os.environ)
     _skip_tensorflows_keras_import()
     with native_log_without(TF_START_UP_NOISE):
         import tensorflow as tf

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from tfdist_ext.cluster import _netns
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
+from tfdist_ext.cluster._tf_config import set_task_env_defaults
 
 HOST = "127.0.0.1"
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -231,7 +232,11 @@ class LocalCluster:
         (TensorFlow's parameter-server tutorial sizing: with the default pool a
         loopback cluster on a small machine can stall).
       start_timeout: seconds to wait for all tasks to answer.
-      env: extra environment variables for the task processes.
+      env: extra environment variables for the task processes. Unless set
+        here or in this process, a task gets ``TF_CPP_MIN_LOG_LEVEL=2`` and
+        ``TF_CPU_ALLOCATOR_USE_BFC=true`` (TensorFlow's pooling allocator
+        on the CPU: large tensors without a page fault per 4 KB; pass
+        ``"false"`` for the default allocator).
       devices_per_worker: CPU devices each ``worker`` task exposes
         (``/device:CPU:0`` ... ``CPU:k-1``), for model parallelism inside a
         replica.
@@ -670,7 +675,7 @@ class LocalCluster:
         env = dict(os.environ)
         env.update(self._extra_env)
         env[PARENT_PID_ENV] = str(os.getpid())
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        set_task_env_defaults(env)
         path = env.get("PYTHONPATH")
         env["PYTHONPATH"] = _PACKAGE_PARENT + (os.pathsep + path if path else "")
         return env

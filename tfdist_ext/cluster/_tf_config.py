@@ -20,6 +20,24 @@ KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
 # is gone, so that a crashed or killed parent never leaves orphans behind.
 PARENT_PID_ENV = "TFDIST_EXT_PARENT_PID"
 
+# Environment a task process gets unless the user set the variable (internal):
+# TensorFlow's C++ logging quiet, and TensorFlow's own BFC allocator on the
+# CPU, a pool that reuses freed blocks. The default CPU allocator takes each
+# large tensor from malloc, which maps it fresh (glibc maps blocks above
+# 32 MB) and pays a page fault on every 4 KB of it: a 10M-parameter
+# gradient's DGC compression took 158 ms a step with it and 46 ms with the
+# pool, one thread (docs/architecture.md, "Memory allocation"). Both are
+# read when TensorFlow starts, so they must be in the environment before
+# ``import tensorflow``.
+TASK_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def set_task_env_defaults(env):
+    """Adds :data:`TASK_ENV_DEFAULTS` to ``env`` (a dict or ``os.environ``), keeping set values."""
+    for name, value in TASK_ENV_DEFAULTS.items():
+        env.setdefault(name, value)
+    return env
+
 
 class TFConfigError(ValueError):
     """A malformed ``TF_CONFIG``; the message names the offending field."""
