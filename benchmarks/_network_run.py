@@ -389,12 +389,21 @@ def local_costs(method, hidden):
     return {"aggregate_seconds": {str(k): aggregate_seconds(method, hidden, k) for k in (2, 8)}}
 
 
+def _one_thread(tf):
+    """A synchronous worker's threads: ops on one thread each, two at once.
+
+    The ``compute`` task times the train step in the same setting, so that
+    its compute is the workers' own.
+    """
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+
+
 def worker(cfg):
     import keras
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    _one_thread(tf)
     from tfdist_ext import compression as C
 
     (x, y), (xt, yt) = _data(cfg["seed"])
@@ -537,8 +546,7 @@ def compute(cfg):
     import keras
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2)
+    _one_thread(tf)
     (x, y), _ = _data(cfg["seed"])
     return {"compute_seconds": _compute_seconds(tf, keras, cfg, x, y, cfg["compute_repeats"])}
 
