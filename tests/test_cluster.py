@@ -297,6 +297,48 @@ def test_server_is_quiet_warns_and_stops_on_ctrl_c():
     assert not any(noise in stderr for noise in _START_UP_NOISE), stderr
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("byte", ["written", "lost"])
+def test_server_wait_ends_on_a_signal_another_thread_took(script, byte):
+    # The CI failure of 2026-11-26: Ctrl-C just after READY, taken by one of
+    # TensorFlow's threads, left the server's main thread blocked for good.
+    # CPython's C handler runs in the thread the kernel picks and only marks
+    # the signal pending; the main thread looks again only when it retakes
+    # the GIL. Here a thread parked in a read (restarted after the handler,
+    # so it never needs the GIL: a native thread) takes the SIGINT while the
+    # main thread holds the GIL; then the server's wait starts. "written":
+    # the wakeup pipe (set up before READY) has the handler's byte;
+    # "lost": no byte (a signal before the pipe existed), the poll ends it.
+    proc = script(
+        f"""
+        import os, signal, sys, threading, time, traceback
+        from tfdist_ext import server
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.siginterrupt(signal.SIGINT, False)
+        idle, _ = os.pipe()
+        taker = threading.Thread(target=os.read, args=(idle, 1), daemon=True)
+        taker.start()
+        time.sleep(0.2)
+        wakeup = server._signal_wakeup()
+        if {byte!r} == "lost":
+            signal.set_wakeup_fd(-1)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
+        try:
+            signal.pthread_kill(taker.ident, signal.SIGINT)
+            end = time.monotonic() + 0.3
+            while time.monotonic() < end:  # holds the GIL
+                pass
+            # "written" can only end by the byte (a poll past the deadline).
+            poll = 600 if {byte!r} == "written" else 0.5
+            server._wait_for_a_signal(object(), wakeup, poll_seconds=poll)
+        except KeyboardInterrupt:
+            print("interrupted in", traceback.extract_tb(sys.exc_info()[2])[-1].name)
+        """,
+        timeout=30,
+    )
+    assert proc.stdout.split() == ["interrupted", "in", "_wait_for_a_signal"], proc.stdout
+
+
 @pytest.mark.timeout(120)
 def test_throttle_keeps_cycling_while_this_process_holds_the_gil():
     # The stop/continue cycle runs in its own process: a long call holding

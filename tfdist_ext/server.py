@@ -18,6 +18,7 @@ task of a local cluster through it.
 
 import argparse
 import os
+import select
 import signal
 import sys
 import threading
@@ -123,6 +124,9 @@ def _serve(args):
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         _watch_parent(int(parent))
+    # Before anyone can know the task is up (READY), so no signal sent after
+    # it can arrive before the wakeup fd exists.
+    wakeup = _signal_wakeup()
 
     set_task_env_defaults(os.environ)
     _skip_tensorflows_keras_import()
@@ -149,7 +153,7 @@ def _serve(args):
             _SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]), file=sys.stderr, flush=True
         )
     print(f"READY {task_type}:{task_index} {address}", flush=True)
-    _wait_for_a_signal(server)
+    _wait_for_a_signal(server, wakeup)
 
 
 def _skip_tensorflows_keras_import():
@@ -171,20 +175,34 @@ def _skip_tensorflows_keras_import():
         os.environ["TF_USE_LEGACY_KERAS"] = "1"
 
 
-def _wait_for_a_signal(server):
-    """Serves (keeps ``server`` referenced) until a signal arrives; its Python
-    handler then runs here.
+def _signal_wakeup():
+    """Returns the read end of a pipe that gets a byte whenever a signal arrives.
 
-    The kernel may deliver SIGINT to any of TensorFlow's threads, and then a
-    main thread in ``time.sleep`` is not woken (no EINTR) and the handler waits
-    for the sleep to end. A wakeup fd is written by the C-level handler
-    whatever thread took the signal, so reading it always returns.
+    The byte is written by CPython's C-level handler in whichever thread the
+    kernel gave the signal to (``signal.set_wakeup_fd``); set it up before the
+    task reports itself ready.
     """
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end)
+    return read_end
+
+
+def _wait_for_a_signal(server, wakeup, poll_seconds=1.0):
+    """Serves (keeps ``server`` referenced) until a signal's Python handler runs here.
+
+    The kernel may deliver SIGINT to any of TensorFlow's threads. CPython's
+    C handler then only marks the signal pending; the main thread notices it
+    when it next takes the GIL, and not while blocked in a read or a sleep.
+    The wakeup pipe (:func:`_signal_wakeup`) ends the wait at once, and a
+    ``poll_seconds`` timeout bounds it even for a signal whose byte was
+    written before the pipe existed: each return retakes the GIL, and the
+    pending handler then raises here.
+    """
     while server is not None:
-        os.read(read_end, 1)
+        readable, _, _ = select.select([wakeup], [], [], poll_seconds)
+        if readable:
+            os.read(wakeup, 64)
 
 
 def main(argv: list[str] | None = None) -> int:
