@@ -27,8 +27,18 @@ def python_blocks(text):
     return blocks
 
 
+# Blocks left to the slow run (tox -e tests-all), each with the default test
+# that runs the same program and checks more of it.
+SLOW_BLOCKS = {
+    # 50 s of L-BFGS to convergence: test_sandblaster.py's
+    # test_fit_matches_scipy_lbfgs_b runs this cluster, model and optimizer.
+    "sandblaster-l-bfgs-in-a-few-lines",
+}
+
+
 def _block(section, code):
-    return pytest.param(code, id=section)
+    marks = [pytest.mark.slow] if section in SLOW_BLOCKS else []
+    return pytest.param(code, id=section, marks=marks)
 
 
 with open(README, encoding="utf-8") as f:
@@ -38,6 +48,7 @@ with open(README, encoding="utf-8") as f:
 def test_readme_python_blocks_are_found():
     sections = [section for section, _ in BLOCKS]
     assert len(sections) == len(set(sections)) >= 5, sections
+    assert SLOW_BLOCKS <= set(sections), SLOW_BLOCKS - set(sections)
 
 
 @pytest.mark.timeout(300)
