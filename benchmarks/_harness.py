@@ -20,16 +20,24 @@ from tfdist_ext.cluster._tf_config import TASK_ENV_DEFAULTS
 RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
-def run_in_process(module, cfg, timeout=900, repo=None):
+def run_in_process(module, cfg, timeout=900, repo=None, env=None):
     """Runs ``python -m MODULE 'json cfg'`` from the repository root, with a deadline.
 
     The module prints one line ``RESULT {json}``; returns that object. Each
     measured run is a fresh interpreter: a process connects to one
     TensorFlow cluster only, and logical devices are fixed per process.
     ``repo`` runs it from another checkout instead (e.g. to measure a
-    baseline in the same interleaved run).
+    baseline in the same interleaved run). ``env``: variables to set in the
+    run's environment over this process's (a value ``None`` unsets one).
     """
     import subprocess
+
+    run_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    for name, value in (env or {}).items():
+        if value is None:
+            run_env.pop(name, None)
+        else:
+            run_env[name] = value
 
     repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
@@ -38,7 +46,7 @@ def run_in_process(module, cfg, timeout=900, repo=None):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+        env=run_env,
         stdin=subprocess.DEVNULL,
     )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]

@@ -93,3 +93,22 @@ def test_unknown_benchmark_is_rejected():
         timeout=60,
     )
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+def test_run_in_process_sets_and_unsets_variables(monkeypatch):
+    # The allocator benchmark runs each variant with its own environment:
+    # a value sets a variable over this process's, None removes it.
+    seen = {}
+
+    def fake_run(args, **kwargs):
+        seen.update(kwargs["env"])
+        return subprocess.CompletedProcess(args, 0, stdout='RESULT {"ok": 1}\n', stderr="")
+
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    out = _harness.run_in_process(
+        "benchmarks.nothing", {}, env={"MALLOC_MMAP_MAX_": None, "TF_CPU_ALLOCATOR_USE_BFC": "x"}
+    )
+    assert out == {"ok": 1}
+    assert "MALLOC_MMAP_MAX_" not in seen and seen["TF_CPU_ALLOCATOR_USE_BFC"] == "x"
+    assert seen["TF_CPP_MIN_LOG_LEVEL"] == "2"
