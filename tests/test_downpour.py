@@ -207,10 +207,16 @@ ASYNC_STRATEGIES = [
         id="easgd",
     ),
 ]
+# The killed-worker test with EASGD runs under tests-all (20 s): its fault
+# handling is DownpourRuntime's, shared with Downpour's case, which stays.
+KILLED_WORKER_STRATEGIES = [
+    ASYNC_STRATEGIES[0],
+    pytest.param(*ASYNC_STRATEGIES[1].values, id="easgd", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("make_strategy, optimizer, _steps_per_push", ASYNC_STRATEGIES)
+@pytest.mark.parametrize("make_strategy, optimizer, _steps_per_push", KILLED_WORKER_STRATEGIES)
 def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(
     script, make_strategy, optimizer, _steps_per_push
 ):

@@ -107,6 +107,7 @@ print("RESULT " + json.dumps(dict(
     evaluated=evaluated, final_eval=final_eval,
     reloaded_diff=float(np.abs(reloaded.predict(x_test, verbose=0) - logits).max()),
     refused=refused)), flush=True)
+print("{left}", time.time(), flush=True)
 """
 
 # RPC errors as TensorFlow's runtime and its coordinator log them.
@@ -123,12 +124,16 @@ RPC_ERROR = (
 
 
 def _run(script, source, timeout):
-    """Runs ``source``; returns (process, seconds from leaving the block to exit)."""
+    """Runs ``source``; returns (process, seconds from its last ``LEFT`` line to exit).
+
+    That line is printed on leaving the cluster block, and again as the last
+    line of a script that goes on after it (``AFTER_BLOCK``).
+    """
     proc = script(source, timeout=timeout, env={"TF_CPP_MIN_LOG_LEVEL": "0"})
     ended = time.time()
     left = [l for l in proc.stdout.splitlines() if l.startswith(LEFT)]
     assert left, proc.stdout[-3000:]
-    return proc, ended - float(left[0].split()[1])
+    return proc, ended - float(left[-1].split()[1])
 
 
 def _rpc_errors(lines, allowed=()):
@@ -138,10 +143,17 @@ def _rpc_errors(lines, allowed=()):
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("kill", [False, True], ids=["plain", "worker_killed"])
 @pytest.mark.parametrize("algorithm", ["downpour", "sandblaster"])
-def test_script_ends_by_itself_without_rpc_errors(script, algorithm, kill):
-    source = SCRIPTS[algorithm].format(kill=kill, left=LEFT, after_fit="", after_block="")
+def test_script_ends_by_itself_without_rpc_errors(script, tmp_path, algorithm, kill):
+    # Without a kill the script also goes on after the block, as a user's
+    # does: the model keeps its final parameters (checked below).
+    source = SCRIPTS[algorithm].format(
+        kill=kill,
+        left=LEFT,
+        after_fit="" if kill else AFTER_FIT,
+        after_block="" if kill else AFTER_BLOCK.format(path=tmp_path / "after.keras", left=LEFT),
+    )
     proc, seconds = _run(script, source, timeout=400)
-    assert seconds < 30, f"the process ended {seconds:.1f}s after the cluster block"
+    assert seconds < 30, f"the process ended {seconds:.1f}s after the script's last line"
     before, _, after = proc.stderr.partition(LEFT)
     assert not _rpc_errors(after.splitlines()), after[-4000:]
     # Until the block ends, TensorFlow may report the killed worker, and only it.
@@ -150,6 +162,21 @@ def test_script_ends_by_itself_without_rpc_errors(script, algorithm, kill):
         (address,) = [l.split()[1] for l in proc.stdout.splitlines() if l.startswith("KILLED ")]
         allowed = (address, "/job:worker/replica:0/task:1", "This could happen")
     assert not _rpc_errors(before.splitlines(), allowed), before[-4000:]
+    if not kill:
+        _check_final_parameters(proc)
+
+
+def _check_final_parameters(proc):
+    """After the block, the model is the one ``fit`` ended with, and saves, loads and
+    refuses to train on the closed cluster with a message."""
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(line[-1][len("RESULT ") :])
+    assert r["same_weights"] and r["n_weights"][0] == r["n_weights"][1] > 0, r
+    assert r["logits_diff"] < 1e-5, r
+    assert r["evaluated"] == pytest.approx(r["final_eval"], abs=1e-5), r
+    assert r["reloaded_diff"] < 1e-5, r
+    assert "is closed" in r["refused"], r
 
 
 @pytest.mark.timeout(200)
@@ -186,26 +213,6 @@ def test_connected_script_ends_without_rpc_errors(script, block):
     assert "VALUE 2.0" in proc.stdout
     assert seconds < 30, f"the process ended {seconds:.1f}s after the script's last line"
     assert not _rpc_errors(proc.stderr.splitlines()), proc.stderr[-4000:]
-
-
-@pytest.mark.timeout(420)
-@pytest.mark.parametrize("algorithm", ["downpour", "sandblaster"])
-def test_model_keeps_final_parameters_after_the_block(script, tmp_path, algorithm):
-    source = SCRIPTS[algorithm].format(
-        kill=False,
-        left=LEFT,
-        after_fit=AFTER_FIT,
-        after_block=AFTER_BLOCK.format(path=tmp_path / "after.keras"),
-    )
-    proc, _ = _run(script, source, timeout=400)
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert line, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(line[-1][len("RESULT ") :])
-    assert r["same_weights"] and r["n_weights"][0] == r["n_weights"][1] > 0, r
-    assert r["logits_diff"] < 1e-5, r
-    assert r["evaluated"] == pytest.approx(r["final_eval"], abs=1e-5), r
-    assert r["reloaded_diff"] < 1e-5, r
-    assert "is closed" in r["refused"], r
 
 
 @pytest.mark.timeout(300)

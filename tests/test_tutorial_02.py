@@ -3,9 +3,10 @@
 import pytest
 
 
-# Under tests-all with tutorials 3, 4 and 6 (45 s here): the README's
-# Sandblaster block and tests/test_sandblaster.py (backups, stragglers, a
-# killed worker, save and load) keep that API in the default suite.
+# Under tests-all with tutorials 1, 3, 4 and 6 and the README's Sandblaster
+# block (45 s here): tests/test_sandblaster.py (the same fit against SciPy,
+# backups, stragglers, a killed worker, save and load) keeps that API in the
+# default suite.
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tutorial_02_sandblaster_runs(tutorial):
