@@ -195,8 +195,8 @@ def _wait_for_a_signal(server, wakeup, poll_seconds=1.0):
     C handler then only marks the signal pending; the main thread notices it
     when it next takes the GIL, and not while blocked in a read or a sleep.
     The wakeup pipe (:func:`_signal_wakeup`) ends the wait at once, and a
-    ``poll_seconds`` timeout bounds it even for a signal whose byte was
-    written before the pipe existed: each return retakes the GIL, and the
+    ``poll_seconds`` timeout bounds it even for a signal that came before
+    the pipe existed (no byte written): each return retakes the GIL, and the
     pending handler then raises here.
     """
     while server is not None:
