@@ -26,6 +26,7 @@ n = 5 with 1 shard on the 10M model at 1 Gbit/s. Runs interleaved, every
 import functools
 
 from benchmarks import _harness
+from benchmarks import downpour
 from benchmarks import network
 
 VARIANTS = {
@@ -42,55 +43,52 @@ _VARIABLES = sorted({name for env in VARIANTS.values() for name in env})
 
 
 def _workloads(quick, seed):
-    """``{name: (module, cfg, metric, unit)}``; the metric is read from the run's result."""
+    """``{name: (module, cfg, metric, unit)}``; ``metric(cfg, result)`` reads a run's figure."""
     steps = 40 if quick else 200
     out = {}
-    for system, n in (("keras", None), ("downpour", 1), ("downpour", 5)):
-        cfg = dict(task="throughput", system=system, model="mlp", steps=steps, seed=seed)
-        if n is not None:
-            cfg.update(workers=1, n=n)
-        name = "keras 1 thread" if n is None else f"downpour 1w n={n}"
-        out[name] = ("benchmarks._downpour_run", cfg, "examples_per_second", "examples/s")
+    loopback = {"keras 1 thread": downpour.throughput_cfg("keras", "mlp", steps, seed)}
+    for n in (1, 5):
+        cfg = downpour.throughput_cfg("downpour", "mlp", steps, seed, workers=1, n=n)
+        loopback[f"downpour 1w n={n}"] = cfg
+    for name, cfg in loopback.items():
+        out[name] = ("benchmarks._downpour_run", cfg, _examples_per_second, "examples/s")
     if quick:
         return out
 
     def base(model, link):
-        return dict(
-            hidden=network.MODELS[model],
-            bandwidth=link,
-            seed=seed,
-            lr=network.LR,
-            compute_repeats=10,
-            target=2.0,  # not reached: a run trains for its budget
-            budget_seconds=8.0,
-        )
+        # target not reached: a run trains for its budget.
+        return dict(network.base_cfg(model, link, seed), target=2.0, budget_seconds=8.0)
 
     sync = dict(system="sync", chunk=5, max_steps=60)
     out["dgc 10M 100mbit"] = (
         "benchmarks._network_run",
         dict(base("10M", "100mbit"), method="dgc", **sync),
-        "step_seconds",
+        network._step_seconds,
         "s/step",
     )
     out["dense 1M 1gbit"] = (
         "benchmarks._network_run",
         dict(base("1M", "1gbit"), method="dense", **dict(sync, chunk=10)),
-        "step_seconds",
+        network._step_seconds,
         "s/step",
     )
     out["downpour n=5 ps=1 10M 1gbit"] = (
         "benchmarks._network_run",
         network._downpour_cfg(base("10M", "1gbit"), 5, 1, 5, 20),
-        "chunk_step_seconds",
+        network._step_seconds,
         "s/step",
     )
     return out
 
 
+def _examples_per_second(cfg, out):
+    return out["examples_per_second"]
+
+
 def _measure(module, cfg, metric, variant):
     """One run of a workload under a variant: its metric."""
     env = {name: VARIANTS[variant].get(name) for name in _VARIABLES}
-    return _harness.run_in_process(module, cfg, env=env)[metric]
+    return metric(cfg, _harness.run_in_process(module, cfg, env=env))
 
 
 def run(quick=False, seed=0):

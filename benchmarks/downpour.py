@@ -38,6 +38,11 @@ def _interleave(configs, repeats):
     return samples
 
 
+def throughput_cfg(system, model, steps, seed, **downpour):
+    """A ``_downpour_run`` throughput run: Keras alone, or Downpour with ``workers`` and ``n``."""
+    return dict(task="throughput", system=system, model=model, steps=steps, seed=seed, **downpour)
+
+
 def throughput_samples(
     models=("mlp", "cnn"), workers=(1, 2), ns=(1, 5), steps=200, repeats=3, seed=0, baseline=None
 ):
@@ -51,22 +56,10 @@ def throughput_samples(
     """
     out = {}
     for model in models:
-        configs = {
-            "keras-1thread": dict(
-                task="throughput", system="keras", model=model, steps=steps, seed=seed
-            )
-        }
+        configs = {"keras-1thread": throughput_cfg("keras", model, steps, seed)}
         for n in ns:
             for w in workers:
-                cfg = dict(
-                    task="throughput",
-                    system="downpour",
-                    workers=w,
-                    n=n,
-                    model=model,
-                    steps=steps,
-                    seed=seed,
-                )
+                cfg = throughput_cfg("downpour", model, steps, seed, workers=w, n=n)
                 configs[f"downpour-{w}w-n{n}"] = cfg
                 if baseline:
                     configs[f"baseline-downpour-{w}w-n{n}"] = dict(cfg, repo=baseline)

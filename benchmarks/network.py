@@ -82,6 +82,11 @@ def _downpour_cfg(base, n, ps, chunk, steps):
     )
 
 
+def base_cfg(model, link, seed):
+    """What every ``_network_run`` run of ``model`` on ``link`` shares (``round_length``, ``allocator`` too)."""
+    return dict(hidden=MODELS[model], bandwidth=link, seed=seed, lr=LR, compute_repeats=10)
+
+
 def _run(cfg):
     return _harness.run_in_process("benchmarks._network_run", cfg, timeout=1800)
 
@@ -170,9 +175,9 @@ def run(quick=False, seed=0):
     blocks, dense_steps, downpour = _plan(quick)
     rows = []
     for b, (model, link) in enumerate(blocks):
-        hidden, steps = MODELS[model], dense_steps[model]
+        steps = dense_steps[model]
         chunk = 5 if quick or model == "10M" else 10
-        base = dict(hidden=hidden, bandwidth=link, seed=seed, lr=LR, compute_repeats=10)
+        base = base_cfg(model, link, seed)
         cfg = dict(base, system="sync", method="dense", chunk=chunk, max_steps=steps)
         out = _run(cfg)
         dense = _row(link, model, cfg, out, out["compute_seconds"])

@@ -36,11 +36,7 @@ def _cfg(seed, blocks, shards):
     """A ``network``-style Downpour run with rounds of ``blocks`` blocks: one timed chunk."""
     steps = blocks * N
     return dict(
-        hidden=network.MODELS[MODEL],
-        bandwidth=LINK,
-        seed=seed,
-        lr=network.LR,
-        compute_repeats=10,
+        network.base_cfg(MODEL, LINK, seed),
         system="downpour",
         n=N,
         ps=shards,
