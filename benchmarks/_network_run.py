@@ -535,6 +535,9 @@ def downpour(cfg):
             push_bytes_per_step=summary["push_bytes_per_step"],
             fetch_bytes_per_step=summary["fetch_bytes_per_step"],
             staleness_mean=summary["staleness_mean"],
+            # Rounds that started from parameters prefetched in their
+            # worker's previous round (the warm-up fit's first ones did not).
+            prefetched_fraction=summary["prefetched_rounds"] / max(1, summary["rounds"]),
         )
         return out
     finally:

@@ -26,24 +26,27 @@ stays when the link is unlimited (``B`` infinite).
   it over the worker's own link, a 1/k share over each shard's, then each
   shard's update of its share, A for all the parameters) and the next
   block's parameters fetched while the next block computes, a push and a
-  fetch crossing at once in opposite directions. A round fills and drains:
-  its first two fetches and its last two pushes have nothing to cross with
-  (measured on every task's link counters at b = 4; ``docs/architecture.md``
-  "On a slow link"), so alone it takes b + 2 transfer times when the wire
-  sets the pace (``round_length`` measures other b). The N workers' rounds
-  share each shard's links, which carry b transfers of w / k each way per
-  round per worker. A round takes the
-  longer of the two (operational analysis's asymptotic bounds: with
-  transfers of fixed size at a fixed rate the bottleneck is reached, not
-  approached). With w = S g::
+  fetch crossing at once in opposite directions (the last block's fetch
+  brings the next round's parameters). A round fills and drains: its first
+  fetch, unless its worker prefetched during its previous round (a share p
+  of the rounds did), and its last push have nothing to cross with
+  (measured on every task's link counters at b = 4 before the prefetch;
+  ``docs/architecture.md`` "On a slow link"), so alone it takes b + 2
+  transfer times (b + 1 prefetched) when the wire sets the pace
+  (``round_length`` measures other b). The N workers' rounds share each
+  shard's links, which carry b transfers of w / k each way per round per
+  worker. A round takes the longer of the two (operational analysis's
+  asymptotic bounds: with transfers of fixed size at a fixed rate the
+  bottleneck is reached, not approached). With w = S g::
 
       Z = n (c + m (o + alpha_hop))                   (one block)
-      alone = w + max(Z, w) + (b - 2) max(Z, w + A) + max(Z, w) + w + A
+      alone = (1 - p) w + max(Z, w) + (b - 1) max(Z, w + A) + w + A
       C = max(alone, N b (w + A) / k)
       T = C / (N b n)      (seconds per system step, one worker's batch)
 
-  One worker with b = 1 pays 2w + A + Z per round; many saturate the
-  busiest shard (T tends to (w + A) / (k n)). Before 2026-11-26 this was a
+  One prefetched worker with b = 1 pays max(Z, w) + w + A per round; many
+  saturate the busiest shard (T tends to (w + A) / (k n)). Before
+  2026-11-26 this was a
   closed queueing network solved by approximate mean value analysis with a
   round of b + 1 transfers; it fitted 33 of the 45 points of the night
   run within 15%, this form 39.
@@ -163,6 +166,7 @@ def ps_seconds(
     every,
     apply,
     blocks=1,
+    prefetched=0.0,
 ):
     """Seconds per system step (one worker's batch) of sharded parameter servers.
 
@@ -173,37 +177,39 @@ def ps_seconds(
     the shard then applies its share of the update (``apply`` in all). A
     block's push and the next fetch cross at once, in opposite directions,
     while the next block computes (``docs/architecture.md`` "On a slow
-    link"), but the round fills and drains: its first two fetches and its
-    last two pushes have nothing to cross with (:func:`round_alone`). The
-    round takes the longer of that, which is one worker's round, and the
-    busiest shard link's time for the N workers' rounds (operational
-    analysis's asymptotic bounds; for transfers of fixed size at a fixed
-    rate the bottleneck is reached, not approached).
+    link"), but a round's first fetch, unless its worker prefetched its
+    parameters during its previous round (``prefetched``: the share of
+    rounds that did), and its last push have nothing to cross with
+    (:func:`round_alone`). The round takes the longer of that, which is one
+    worker's round, and the busiest shard link's time for the N workers'
+    rounds (operational analysis's asymptotic bounds; for transfers of
+    fixed size at a fixed rate the bottleneck is reached, not approached).
     """
     wire = params_bytes * byte_seconds(bps, beta, gamma)
     block = every * (c + messages * (o + alpha_hop))
-    alone = round_alone(block, wire, wire + apply, blocks)
+    alone = round_alone(block, wire, wire + apply, blocks, prefetched)
     # Every round crosses each shard's inbound link `blocks` times (its share
     # of a push, then its update) and its outbound link as often.
     busiest_shard = workers * blocks * (wire + apply) / shards
     return max(alone, busiest_shard) / (workers * blocks * every)
 
 
-def round_alone(block, transfer, push, blocks):
+def round_alone(block, transfer, push, blocks, prefetched=0.0):
     """Seconds of one worker's round of ``blocks`` blocks on otherwise idle links.
 
     ``transfer`` is the time of one crossing alone (a fetch, or a push before
     its update), ``push`` that of a push with the shards' update. A round is
-    its first fetch; block 1, while the fetch for block 2 crosses; each
-    middle block, while the previous block's push and the next fetch cross
-    at once; the last block, while the previous push crosses; and its own
-    push: b + 2 transfer times when the wire sets the pace, not b (one
-    worker's count at b = 4; ``round_length`` measures other b).
+    its first fetch, unless it starts from parameters prefetched in its
+    worker's previous round (the share ``prefetched`` of rounds); block 1,
+    while the fetch for block 2 crosses; each later block, while the
+    previous block's push and the next fetch (the last block's: the next
+    round's parameters) cross at once; and its own push. When the wire sets
+    the pace that is b + 2 transfer times for a round that fetches first
+    and b + 1 for one that starts prefetched, not b (the first from one
+    worker's link counters at b = 4; ``round_length`` measures other b).
     """
-    if blocks == 1:
-        return transfer + block + push
-    middle = (blocks - 2) * max(block, push, transfer)
-    return transfer + 2 * max(block, transfer) + middle + push
+    carried = max(block, transfer) + (blocks - 1) * max(block, push, transfer) + push
+    return carried + (1.0 - prefetched) * transfer
 
 
 def aggregate_at(point, workers):
@@ -230,6 +236,7 @@ def predict(point, workers, bps, params, alpha_hop=ALPHA_HOP):
             every=point["every"],
             apply=point["apply"],
             blocks=point["blocks"],
+            prefetched=point.get("prefetched", 0.0),
         )
     if point["kind"] == "dgc":
         return allgather_seconds(*args)
@@ -277,6 +284,8 @@ def points(network, measure=None):
                 point["every"] = int(run["n"])
                 point["messages"] = _ps_messages(run)
                 point["blocks"] = _blocks(run)
+                # Runs before 2026-11-26 (no prefetch across rounds) lack it.
+                point["prefetched"] = float(run.get("prefetched_fraction") or 0.0)
                 point["apply"] = float(local_cost("apply_seconds"))
             else:
                 point["payload"] = float(run["logical_bytes"])

@@ -56,6 +56,7 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         s = strategy.stats.summary()
         out[name] = dict(sizes=list(sizes), batches=len(seen), loss=h.history["loss"],
                          steps=s["steps"], pushes=s["pushes"], fetches=s["fetches"],
+                         prefetched=s["prefetched_rounds"],
                          iterations=int(model.optimizer.iterations.numpy()))
     report(**out)
 """,
@@ -77,8 +78,13 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         assert all(size % n == 0 for size in run["sizes"][:-1]), (name, run["sizes"])
         # Keras's callbacks see every call, as with steps_per_execution in Keras.
         assert run["batches"] == 240 // spe, name
-        # n_fetch and n_push hold inside the long rounds.
-        assert run["pushes"] == run["fetches"] == 240 // n, name
+        # n_fetch and n_push hold inside the long rounds. A round fetches
+        # at the end of each fetch block, its last included (the next
+        # round's parameters), and at its start only if its worker holds
+        # no parameters prefetched in this fit (its first round).
+        assert run["pushes"] == 240 // n, name
+        assert 1 <= len(run["sizes"]) - run["prefetched"] <= 2, name  # 1 worker: epoch 1's first
+        assert run["fetches"] == 240 // n + len(run["sizes"]) - run["prefetched"], name
         assert run["loss"][1] < run["loss"][0], name
 
 
@@ -177,7 +183,8 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         out[f"{n_fetch},{n_push}"] = dict(
             bias=float(model.layers[0].bias.numpy()[0]), sizes=list(sizes),
             staleness=[int(x) for x in strategy.stats.staleness], pushes=s["pushes"],
-            fetches=s["fetches"], iterations=int(model.optimizer.iterations.numpy()))
+            fetches=s["fetches"], prefetched=s["prefetched_rounds"],
+            iterations=int(model.optimizer.iterations.numpy()))
     report(**out)
 """,
         timeout=280,
@@ -192,11 +199,19 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
             == len(run["staleness"])
             == sum(-(-size // n_push) for size in run["sizes"])
         ), name
-        assert run["fetches"] == sum(-(-size // n_fetch) for size in run["sizes"]), name
-    # One worker, n = 1: a round's first push is fresh; every later one was
-    # computed without the replica's own previous push (still in flight).
+        # A round fetches at the end of each whole fetch block, its last
+        # included (kept for the worker's next round, which then fetches
+        # nothing before its first step), and at its start when it has no
+        # such parameters: its worker's first round in this fit, or one
+        # after a round that ended inside a fetch block.
+        fresh = 1 + sum(size % n_fetch != 0 for size in run["sizes"][:-1])
+        assert run["prefetched"] == len(run["sizes"]) - fresh, name
+        assert run["fetches"] == sum(size // n_fetch for size in run["sizes"]) + fresh, name
+    # One worker, n = 1: only the fit's first push is fresh; every later one
+    # was computed without the replica's own previous push (a round's first
+    # from parameters prefetched before its previous round's last push).
     staleness, sizes = r["1,1"]["staleness"], r["1,1"]["sizes"]
-    assert staleness.count(0) == len(sizes) and set(staleness) == {0, 1}, (sizes, staleness)
+    assert staleness.count(0) == 1 and set(staleness) == {0, 1}, (sizes, staleness)
     assert max(r["2,3"]["staleness"] + r["4,2"]["staleness"]) <= 2, r
 
 
@@ -228,3 +243,58 @@ def test_chief_iterators_are_held_weakly():
     assert runtime.source_of(later) is dataset and len(runtime._sources) == 1
     with pytest.raises(ValueError, match="not distributed by this strategy"):
         runtime.source_of(iter(dataset))
+
+
+@pytest.mark.timeout(300)
+def test_rounds_start_from_prefetched_parameters_until_weights_are_set(script):
+    # One worker, 2 ps tasks with the hidden kernel split across them. A
+    # round's last block fetches the next round's parameters; the worker's
+    # next round starts from them, in the same fit and in a fit right after
+    # it (weights as the last fit left them), but not after set_weights:
+    # that fit's first round fetches what was set. The loss is the mean
+    # output, so the bias's gradient is exactly 1 whatever the staleness:
+    # the bias ends at (what was set) - lr * steps only if every step's
+    # gradient is applied exactly once.
+    proc = script(
+        PRELUDE
+        + """
+out = []
+with LocalCluster(num_workers=1, num_ps=2) as cluster:
+    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, min_shard_bytes=1024)
+    data = digits_train()
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64),
+                                  keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=lambda y, p: tf.reduce_mean(p),
+                      steps_per_execution=20)
+    split = isinstance(model.layers[0].kernel.value,
+                       tfdist_ext._integration.ShardedVariable)
+    for what in ("first", "again", "set", "again"):
+        if what == "set":
+            model.set_weights([np.full(w.shape, 0.01, "float32") for w in model.get_weights()])
+        bias = float(model.layers[1].bias.numpy()[0])
+        strategy.stats.reset()
+        model.fit(data, epochs=2, steps_per_epoch=60, verbose=0)
+        s = strategy.stats.summary()
+        out.append(dict(what=what, fetches=s["fetches"], prefetched=s["prefetched_rounds"],
+                        staleness=list(strategy.stats.staleness), bias_before=bias,
+                        bias=float(model.layers[1].bias.numpy()[0])))
+report(out=out, split=split)
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    assert r["split"]
+    for run in r["out"]:
+        # 6 rounds of 20 steps; 120 pushes, all applied once.
+        assert abs(run["bias"] - (run["bias_before"] - 0.01 * 120)) < 1e-4, run
+        # Fetches: one per step, each round's last for the next round, and
+        # one at the start of a round that holds no prefetched parameters.
+        assert run["fetches"] == 120 + 6 - run["prefetched"], run
+    first, again, after_set, again_2 = r["out"]
+    # A first fit, and one after set_weights, fetch at their first round
+    # (its first push is fresh); a fit after a fit does not (its first push
+    # misses the last fit's last push).
+    for run, prefetched in ((first, 5), (again, 6), (after_set, 5), (again_2, 6)):
+        assert run["prefetched"] == prefetched, run
+        assert (run["staleness"][0] == 0) == (prefetched == 5), run

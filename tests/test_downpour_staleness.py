@@ -76,6 +76,7 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
     staleness = list(strategy.stats.staleness)
     strategy.stats.reset()
     losses, same = fit_and_reload(strategy, PATH, epochs=2, steps_per_epoch=60)
+    prefetched = strategy.stats.summary()["prefetched_rounds"]
     refused = None
     if CUSTOM_STEP:
         class Custom(keras.Sequential):
@@ -96,7 +97,7 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         except ValueError as e:
             refused = str(e)
     report(w0=w0, w1=w1, staleness=staleness, losses=losses, same=same,
-           config=strategy.get_config(), refused=refused)
+           config=strategy.get_config(), refused=refused, prefetched=prefetched)
 """
 
 
@@ -407,6 +408,9 @@ def test_stale_pushes_are_applied_with_lr_over_tau(script, tmp_path):
     np.testing.assert_allclose(r["w1"][1], b, rtol=1e-4, atol=1e-6)
     assert r["losses"][1] < r["losses"][0] and r["same"]
     assert r["config"]["staleness_policy"]["class_name"] == "StalenessAwareLR"
+    # A fetch only reads: rounds start from the parameters prefetched in
+    # their worker's previous round.
+    assert r["prefetched"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -430,6 +434,8 @@ def test_stale_pushes_get_the_delay_compensation(script, tmp_path):
     assert r["losses"][1] < r["losses"][0] and r["same"]
     assert r["config"]["staleness_policy"]["config"] == {"lam": 2.0}
     assert "DelayCompensation" in r["refused"] and "train_step" in r["refused"]
+    # A fetch fills a backup slot on the ps: every round fetches its own.
+    assert r["prefetched"] == 0
 
 
 @pytest.mark.timeout(300)
@@ -498,7 +504,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     losses, same = fit_and_reload(strategy, {path!r}, during=cluster.throttle("worker", 1, 8),
                                   epochs=2, steps_per_epoch=100)
     report(losses=losses, same=same, leads=strategy.stats.clock_leads.tolist(),
-           staleness=list(strategy.stats.staleness), config=strategy.get_config())
+           staleness=list(strategy.stats.staleness), config=strategy.get_config(),
+           prefetched=strategy.stats.summary()["prefetched_rounds"])
 """,
         timeout=280,
     )
@@ -511,6 +518,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     assert max(r["staleness"]) <= 2 * 2 + 2, np.bincount(r["staleness"])
     assert r["losses"][1] < r["losses"][0] and r["same"]
     assert r["config"]["max_staleness"] == 2
+    # A fetch ticks the worker's clock: every round fetches when it starts.
+    assert r["prefetched"] == 0
 
 
 @pytest.mark.timeout(300)

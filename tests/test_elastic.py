@@ -44,10 +44,11 @@ def test_bad_alpha_or_tau_is_refused_at_construction(kwargs, named):
 
 @pytest.mark.timeout(300)
 def test_centre_and_replica_follow_the_easgd_rule_exactly(script):
-    # One worker, so the order of exchanges is fixed: the centre after two
+    # One worker, so the order of exchanges is fixed: the centre after three
     # fits must be what EASGD's update (SGD with momentum locally, the
     # elastic exchange every tau steps, the replica and its momentum kept
-    # between rounds, each fit starting from the centre) gives in NumPy.
+    # between rounds and between fits, but started afresh from the centre
+    # once the centre was set between fits) gives in NumPy.
     proc = script(
         PRELUDE
         + """
@@ -64,8 +65,11 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
                                                      bias_initializer="zeros")])
         model.compile(keras.optimizers.SGD(lr, momentum=momentum), "mse")
     model.fit(data, epochs=2, steps_per_epoch=12, verbose=0)    # two rounds
-    model.fit(data, epochs=1, steps_per_epoch=12, verbose=0)    # a new fit
-    report(kernel=model.layers[0].kernel.numpy().tolist(),
+    model.fit(data, epochs=1, steps_per_epoch=12, verbose=0)    # continues
+    centre_2 = [w.tolist() for w in model.get_weights()]
+    model.set_weights([np.full((2, 1), 0.5, "float32"), np.ones(1, "float32")])
+    model.fit(data, epochs=1, steps_per_epoch=12, verbose=0)    # afresh
+    report(centre_2=centre_2,kernel=model.layers[0].kernel.numpy().tolist(),
            bias=model.layers[0].bias.numpy().tolist(),
            iterations=int(model.optimizer.iterations), stats=strategy.stats.summary())
 """,
@@ -80,9 +84,14 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
     y = (x @ np.array([[2.0], [-1.0]], "float32") + 0.5).astype("float32")
     centre = [np.ones((2, 1)), np.zeros(1)]
     step = 0
-    for fit_steps in (24, 12):
-        replica = [c.copy() for c in centre]
-        velocity = [np.zeros_like(c) for c in centre]
+    for fit_steps, afresh in ((24, True), (12, False), (12, True)):
+        if fit_steps == 12 and afresh:
+            np.testing.assert_allclose(r["centre_2"][0], centre[0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(r["centre_2"][1], centre[1], rtol=1e-4, atol=1e-5)
+            centre = [np.full((2, 1), 0.5), np.ones(1)]
+        if afresh:
+            replica = [c.copy() for c in centre]
+            velocity = [np.zeros_like(c) for c in centre]
         for _ in range(fit_steps):
             start = (step * batch) % len(x)
             xb, yb = x[start : start + batch], y[start : start + batch]
@@ -97,9 +106,9 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
                 centre = [c + d for c, d in zip(centre, moves)]
     np.testing.assert_allclose(r["kernel"], centre[0], rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(r["bias"], centre[1], rtol=1e-4, atol=1e-5)
-    assert r["iterations"] == 36
-    # 12 exchanges, none stale (one worker), bytes of the model each way per exchange.
-    assert r["stats"]["pushes"] == 12 and r["stats"]["staleness_max"] == 0
+    assert r["iterations"] == 48
+    # 16 exchanges, none stale (one worker), bytes of the model each way per exchange.
+    assert r["stats"]["pushes"] == 16 and r["stats"]["staleness_max"] == 0
 
 
 @pytest.mark.timeout(300)

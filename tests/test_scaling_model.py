@@ -57,17 +57,22 @@ def test_dgc_aggregation_is_linear_in_senders():
 
 def test_parameter_server_closed_queue():
     # 4e7 bytes of parameters, 100 Mbit/s: a push or a fetch is 3.2 s of link time.
-    kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0)
-    # One worker: its compute, its push, the update, its fetch, one after another.
+    kw = dict(o=0.0, beta=1.0, messages=0, alpha_hop=0.0, prefetched=1.0)
+    # One worker, rounds of one step, each from the parameters prefetched
+    # in the last: its step while the next round's parameters cross, then
+    # its push and the update.
     one = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, shards=1, every=1, apply=0.8)
-    assert one == pytest.approx(0.2 + 3.2 + 0.8 + 3.2)
+    assert one == pytest.approx(3.2 + 3.2 + 0.8)
+    # A round that fetches first pays that fetch too.
+    fresh = M.ps_seconds(0.2, 4e7, 1, 1e8, **dict(kw, prefetched=0.0), shards=1, every=1, apply=0.8)
+    assert fresh == pytest.approx(3.2 + 3.2 + 3.2 + 0.8)
     every5 = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, shards=1, every=5, apply=0.0)
-    assert every5 == pytest.approx((5 * 0.2 + 2 * 3.2) / 5)
-    # Two workers, one shard: each of the shard's links is busy 6.4 s of
-    # every 6.6 s round, so the round sets the pace; a third worker saturates
-    # the shard (9.6 s of its links a round).
+    assert every5 == pytest.approx(2 * 3.2 / 5)
+    # Two workers, one shard: each worker's round (6.4 s) and each of the
+    # shard's links (6.4 s of both workers' transfers) set the pace; a third
+    # worker saturates the shard (9.6 s of its links a round).
     two = M.ps_seconds(0.2, 4e7, 2, 1e8, **kw, shards=1, every=1, apply=0.0)
-    assert two == pytest.approx(6.6 / 2)
+    assert two == pytest.approx(6.4 / 2)
     three = M.ps_seconds(0.2, 4e7, 3, 1e8, **kw, shards=1, every=1, apply=0.0)
     assert three == pytest.approx(9.6 / 3)
     # Many workers saturate the busiest shard: its inbound link and update.
@@ -92,8 +97,16 @@ def test_parameter_server_rounds_hide_pushes_behind_blocks():
     # Compute longer than a push: the pushes hide behind the blocks.
     slow = M.ps_seconds(2.0, 4e7, 1, 1e8, **kw, every=5, blocks=3)
     assert slow == pytest.approx((3.2 + 10.0 + 3.2 + 2 * 10.0) / 15)
-    # One block a round is the serial sum; longer rounds are never slower.
-    assert M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=1) == pytest.approx(7.4 / 5)
+    # A round that starts from parameters its worker prefetched during its
+    # previous round has no first fetch: b + 1 transfers.
+    assert M.round_alone(1.0, 3.2, 3.2, 3, prefetched=1.0) == pytest.approx(4 * 3.2)
+    half = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=3, prefetched=0.5)
+    assert half == pytest.approx(4.5 * 3.2 / 15)
+    # One block a round: the first fetch, the block while the next round's
+    # parameters cross, the push; longer rounds are never slower.
+    assert M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=1) == pytest.approx(9.6 / 5)
+    one = M.ps_seconds(0.2, 4e7, 1, 1e8, **kw, every=5, blocks=1, prefetched=1.0)
+    assert one == pytest.approx(6.4 / 5)
     for workers in (1, 2, 8):
         by_blocks = [
             M.ps_seconds(0.2, 4e7, workers, 1e8, **kw, every=5, blocks=b) for b in (1, 2, 4, 8)
@@ -135,7 +148,9 @@ def test_software_cost_per_byte_adds_to_the_wire():
     assert M.allgather_seconds(0.1, 1e6, 3, math.inf, 0.0, 1.0, 1, 0.0, gamma=2e-9) == (
         pytest.approx(0.1 + 2 * 2e-3)
     )
-    one = M.ps_seconds(0.0, 4e7, 1, math.inf, 0.0, 1.0, 0, 0.0, 5e-9, shards=1, every=1, apply=0)
+    one = M.ps_seconds(
+        0.0, 4e7, 1, math.inf, 0.0, 1.0, 0, 0.0, 5e-9, shards=1, every=1, apply=0, prefetched=1.0
+    )
     assert one == pytest.approx(2 * 0.2)
 
 

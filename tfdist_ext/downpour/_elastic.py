@@ -45,8 +45,9 @@ class ElasticAveragingStrategy(DownpourStrategy):
     its last round when it is back; the others carry on meanwhile. A replica
     whose weights become NaN or Inf does not exchange (counted in
     ``rejected_pushes``, with a warning) and restarts from the centre. A lost
-    ``ps`` task stops ``fit`` with a clear error. Every ``fit`` starts each
-    replica from the centre.
+    ``ps`` task stops ``fit`` with a clear error. A ``fit`` after a ``fit``
+    continues the replicas; one after the centre's weights were set (or
+    loaded) starts each replica from the centre.
 
     ``fit`` refuses, before the first step: an optimizer other than
     ``keras.optimizers.SGD`` (EASGD's local update is SGD; wrap nothing,
@@ -98,7 +99,6 @@ class ElasticAveragingStrategy(DownpourStrategy):
             deadline=deadline,
         )
         self.alpha = 0.9 / self.num_workers if alpha is None else alpha
-        self._generation = None
 
     @property
     def tau(self):
@@ -112,28 +112,14 @@ class ElasticAveragingStrategy(DownpourStrategy):
     def _round_knobs(self):
         return (self.tau, self.alpha)
 
-    def _fit_generation(self):
-        """A counter on the ps, advanced by each ``fit``: a replica of an older
-        ``fit`` restarts from the centre."""
-        if self._generation is None:
-            with self.scope():
-                self._generation = tf.Variable(
-                    tf.constant(0, tf.int64), trainable=False, name="easgd_fit_generation"
-                )
-        return self._generation
-
     def _build_round(self, model, version):
-        return build_elastic_round(model, self, version, self._fit_generation())
+        # A replica of an older generation restarts from the centre.
+        return build_elastic_round(model, self, version, self._runtime.fit_generation())
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
         check_trainable(model)
-        self._fit_generation().assign_add(1)
         return super()._tfdist_fit(model, keras_fit, args, kwargs)
-
-    def _stop_runtime(self):
-        super()._stop_runtime()
-        self._generation = None
 
     def get_config(self):
         """The strategy's knobs (not the cluster) as a dict."""
@@ -206,7 +192,8 @@ class _Replicas:
 
     Row ``i`` of ``weights[j]`` is worker ``i``'s copy of trainable weight
     ``j``, colocated with the weight; ``born[i]`` is the ``fit`` generation
-    that row belongs to (an older one restarts from the centre).
+    that row belongs to (an older one restarts from the centre: see
+    ``DownpourRuntime.fit_generation``).
     """
 
     def __init__(self, strategy, trainable, momentum, generation):
@@ -291,7 +278,7 @@ def build_elastic_round(model, strategy, version, generation):
     """The tf.function one worker runs for a round of EASGD (``tau``-step blocks).
 
     Same inputs and outputs as Downpour's round (``_round.build_round``):
-    ``round_fn(iterator, worker, num_steps)`` returns the round's counters;
+    ``round_fn(iterator, worker, num_steps, prefetch)`` returns the round's counters;
     ``pushes`` counts exchanges with the centre.
     """
     trainable = list(model.trainable_variables)
@@ -324,7 +311,8 @@ def build_elastic_round(model, strategy, version, generation):
         return x, velocity, metric_values
 
     @tf.function
-    def round_fn(iterator, worker, num_steps):
+    def round_fn(iterator, worker, num_steps, prefetch=True):
+        """``num_steps`` local steps (``prefetch``: Downpour's; a replica is kept anyway)."""
         metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
         metric_values = metrics_start
         x, velocity = replicas.load(worker)

@@ -18,8 +18,16 @@ of no stateful op: the next block's push, checked on the worker, crosses
 while they do. The metrics accumulate on a local copy too, added to the
 model's metric variables at the round's end. Round
 boundaries fall exactly where both a fetch and a push are due and the
-round's last push is applied before it ends, so no state has to live on the
-worker between rounds: a lost worker loses only its unsent gradients.
+round's last push is applied before it ends: a lost worker loses only its
+unsent gradients. The round's last block fetches too, and the worker keeps
+those parameters (:class:`PrefetchedParams`) for its next round, which then
+starts computing at once instead of waiting for a fetch that would cross
+alone; they hold while the server's weights are those of the same
+generation (``DownpourRuntime.fit_generation``: not across weights set
+between ``fit`` calls). Not where a fetch leaves state on the server that
+must stay in step with the pushes (``DelayCompensation``'s backup slots,
+``max_staleness``'s clocks), nor for a user's ``train_step`` (it reads the
+server's variables itself), nor in warmstart.
 
 A model that overrides ``train_step`` has that step run instead, on the
 server's variables (it reads them itself: ``n_fetch`` is 1); the gradients
@@ -108,11 +116,13 @@ def keras_local_step(model, optimizer, loss_scale):
     return step, metric_vars
 
 
-def build_round(model, strategy, version):
+def build_round(model, strategy, version, generation):
     """The tf.function one worker runs for a round of local steps.
 
     ``version`` is the server's update counter (a variable on a ``ps``
-    task); staleness is measured in its units.
+    task); staleness is measured in its units. ``generation`` is the
+    ``fit`` counter (``DownpourRuntime.fit_generation``) that the
+    parameters a worker prefetches for its next round belong to.
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
@@ -175,6 +185,13 @@ def build_round(model, strategy, version):
     push, state_vars = make_push(
         strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale, server
     )
+    # The next round's parameters, prefetched while the last block computes,
+    # where a fetch leaves nothing on the server to keep in step with it (a
+    # DelayCompensation backup slot, an SSP clock tick) and there is a copy to
+    # keep (Downpour's own step).
+    carry = None
+    if owner is None and server.fetch_is_a_read and bound.s is None:
+        carry = PrefetchedParams(strategy, trainable, generation)
 
     block = math.gcd(n_fetch, n_push)
 
@@ -191,7 +208,8 @@ def build_round(model, strategy, version):
         return accum, metric_values
 
     @tf.function
-    def round_fn(iterator, worker, num_steps):
+    def round_fn(iterator, worker, num_steps, prefetch=True):
+        """``num_steps`` local steps; ``prefetch``: start from and keep prefetched parameters."""
         state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
         # The metrics accumulate on a local copy; the round adds what it
         # changed to the real variables once, at its end (an atomic add, so
@@ -209,18 +227,31 @@ def build_round(model, strategy, version):
         # fetch k + 1 (one per block, the other slot) comes between, so fetch
         # k + 2 never overwrites the slot of a push still to be applied.
         slot = tf.constant(0, tf.int64)
-        with tf.control_dependencies([bound.start(worker)]):
-            ready = before_fetch(worker, slot)
-        with tf.control_dependencies([ready]):
-            packed, source = read(worker, slot)
-        params = unpack_params(packed)
+
+        def first_fetch():
+            with tf.control_dependencies([bound.start(worker)]):
+                ready = before_fetch(worker, slot)
+            with tf.control_dependencies([ready]):
+                packed, (fetched, _) = read(worker, slot)
+            return unpack_params(packed), fetched, tf.constant(1, tf.int64)
+
+        started_prefetched = tf.constant(False)
+        if carry is None:
+            params, fetched, fetches = first_fetch()
+        else:
+            # The parameters this worker prefetched in its last round of this
+            # fit, if any: no fetch crosses alone before the first block.
+            started_prefetched = tf.logical_and(carry.valid(), prefetch)
+            kept = carry.read()  # outside the cond: a per-worker variable is
+            # read where the function binds it to the worker's copy
+            params, fetched, fetches = tf.cond(started_prefetched, lambda: kept, first_fetch)
+        source = (fetched, slot)
         prefetched, prefetched_source = params, source
         accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
         # A push in flight: the gradient of `outbox_steps` steps on parameters
         # from `outbox_source` (the latest fetch, when it spans several).
         outbox, outbox_steps, outbox_source = zeros, tf.constant(0, tf.int64), source
         sent = tf.constant(0, tf.int64)
-        fetches = tf.constant(1, tf.int64)
         pushes = tf.constant(0, tf.int64)
         rejected = tf.constant(0, tf.int64)
         applied = tf.constant(0, tf.int64)
@@ -249,6 +280,9 @@ def build_round(model, strategy, version):
             count = tf.minimum(block, num_steps - done)
             done += count
             fetch_due = done % n_fetch == 0 and done < num_steps
+            if carry is not None:
+                # The last block fetches too: the next round's parameters.
+                fetch_due = done % n_fetch == 0 and count > 0 and (done < num_steps or prefetch)
             # The fetch: the ps side's work when due (stateful), then reads on
             # the ps in every block (no transfer), then the crossing, only
             # when due, in a cond of no stateful op. The crossing is then
@@ -276,6 +310,11 @@ def build_round(model, strategy, version):
         # no automatic control dependencies: tie the writes to the outputs.
         saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
         saved.append(bound.stop(worker))
+        if carry is not None:
+            # Kept when the last block fetched (a round of whole fetch blocks).
+            kept = tf.logical_and(num_steps > 0, num_steps % n_fetch == 0)
+            kept = tf.logical_and(kept, prefetch)
+            saved += carry.keep(kept, prefetched, prefetched_source[0])
         steps = after_writes(steps, saved, metric_vars, metric_values, metrics_start)
         return {
             "worker": worker,
@@ -283,6 +322,7 @@ def build_round(model, strategy, version):
             "applied_steps": applied,
             "pushes": pushes,
             "fetches": fetches,
+            "prefetched": tf.cast(started_prefetched, tf.int64),
             "rejected": rejected,
             "staleness": staleness.stack(),
             "push_bytes": sent,
@@ -290,6 +330,54 @@ def build_round(model, strategy, version):
         }
 
     return round_fn
+
+
+class PrefetchedParams:
+    """The parameters a worker fetched for its next round, kept on the worker.
+
+    DistBelief's replicas fetch in the background, round or no round. Here
+    the round's last block fetches the parameters once more while it
+    computes (after the round's second-last push is applied, as every
+    block's fetch), and the round keeps them in per-worker variables with
+    the ``fit`` generation they belong to; the worker's next round of the
+    same ``fit`` starts from them instead of from a fetch that would cross
+    alone, before any step can compute. They miss the round's last push and
+    whatever the server applied between the two rounds: that staleness is
+    measured like any other. A worker that is lost or restarted loses only
+    this copy (its next round fetches).
+    """
+
+    def __init__(self, strategy, trainable, generation):
+        self.generation = generation
+        with strategy.scope():
+            self.params = [
+                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, per_worker_variable=True)
+                for v in trainable
+            ]
+            self.version = tf.Variable(
+                tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
+            )
+            self.born = tf.Variable(
+                tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
+            )
+
+    def valid(self):
+        """Whether this worker holds parameters prefetched in this ``fit``."""
+        return tf.equal(self.born.read_value(), self.generation.read_value())
+
+    def read(self):
+        """``(params, the server version they were read at, fetches: 0)``."""
+        return (
+            [v.read_value() for v in self.params],
+            self.version.read_value(),
+            tf.constant(0, tf.int64),
+        )
+
+    def keep(self, kept, params, version):
+        """The writes that keep ``params`` (read at ``version``) if ``kept``, else drop them."""
+        born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
+        writes = [v.assign(p) for v, p in zip(self.params, params)]
+        return writes + [self.version.assign(version), self.born.assign(born)]
 
 
 def after_writes(steps, writes, metric_vars, metric_values, metrics_start):

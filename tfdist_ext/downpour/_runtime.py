@@ -11,6 +11,7 @@ import weakref
 
 import tensorflow as tf
 
+from tfdist_ext import _integration
 from tfdist_ext.downpour import _data
 from tfdist_ext.downpour import _round
 
@@ -28,6 +29,8 @@ class DownpourRuntime:
         self._plans = {}  # id(model) -> (weakref(model), plan)
         self._worker_index = None
         self._version = None
+        self._generation = None
+        self._weights_left = {}  # id(model) -> _WeightsLeft
         self.plan = None  # the latest model_devices plan
 
     # -- data ------------------------------------------------------------------
@@ -83,6 +86,38 @@ class DownpourRuntime:
                 )
         return self._version
 
+    def fit_generation(self):
+        """A counter on a ``ps`` task: the generation of what workers keep between rounds.
+
+        What a worker keeps for its next round (Downpour's prefetched
+        parameters, an elastic replica) holds while the generation it was
+        written in is current. :meth:`begin_fit` advances it unless the
+        server's weights are exactly those the model's last ``fit`` left:
+        weights set between ``fit`` calls (``set_weights``, a checkpoint, a
+        first ``fit``) start every worker afresh from the server, while
+        ``fit`` after ``fit`` (evaluating between them) continues.
+        """
+        if self._generation is None:
+            with self._strategy.scope():
+                self._generation = tf.Variable(
+                    tf.constant(0, tf.int64), trainable=False, name="downpour_fit_generation"
+                )
+        return self._generation
+
+    def begin_fit(self, model):
+        """A ``fit`` of ``model`` starts: a new generation unless its weights are as left."""
+        entry = self._weights_left.get(id(model))
+        if entry is None or not entry.covers(model) or not entry.unchanged():
+            self.fit_generation().assign_add(1)
+
+    def end_fit(self, model):
+        """Every round of a ``fit`` of ``model`` finished: remembers its weights as they are."""
+        entry = self._weights_left.get(id(model))
+        if entry is None or not entry.covers(model):
+            entry = _WeightsLeft(model)
+            self._weights_left[id(model)] = entry
+        entry.remember()
+
     def round_for(self, model):
         """The traced round of ``model``: one per model, optimizer and round knobs
         (``strategy._round_knobs()``: n_fetch, n_push, compression, ...)."""
@@ -106,6 +141,8 @@ class DownpourRuntime:
         self._sources.clear()
         self._worker_index = None
         self._version = None
+        self._generation = None
+        self._weights_left.clear()
 
     def _partition(self, model):
         entry = self._plans.get(id(model))
@@ -115,3 +152,56 @@ class DownpourRuntime:
         if plan is not None:
             self._plans[id(model)] = (weakref.ref(model), plan)
             self.plan = plan
+
+
+class _WeightsLeft:
+    """A copy, on the ``ps`` tasks, of a model's weights as its last ``fit`` left them.
+
+    One copy of each trainable weight (of each piece of a split one), next
+    to it; comparing and copying run where the weights live, and only a
+    boolean crosses to the chief.
+    """
+
+    def __init__(self, model):
+        self.model = weakref.ref(model)
+        self.weights = list(model.trainable_variables)
+        self.pieces = [p for v in self.weights for p in _pieces(v)]
+        self.copies = []
+        for piece in self.pieces:
+            with tf.device(piece.device):
+                self.copies.append(tf.Variable(tf.zeros(piece.shape, piece.dtype), trainable=False))
+        self._remember = tf.function(self._copy)
+        self._unchanged = tf.function(self._compare)
+
+    def covers(self, model):
+        """Whether this copy is of ``model`` and its current trainable weights."""
+        return self.model() is model and [id(v) for v in model.trainable_variables] == [
+            id(v) for v in self.weights
+        ]
+
+    def remember(self):
+        self._remember()
+
+    def unchanged(self):
+        """Whether every weight equals the copy (NaN counts as changed)."""
+        return bool(self._unchanged())
+
+    def _copy(self):
+        for piece, copy in zip(self.pieces, self.copies):
+            with tf.device(piece.device):
+                copy.assign(piece.read_value())
+
+    def _compare(self):
+        same = []
+        for piece, copy in zip(self.pieces, self.copies):
+            with tf.device(piece.device):
+                same.append(tf.reduce_all(tf.equal(piece.read_value(), copy.read_value())))
+        return tf.reduce_all(same)
+
+
+def _pieces(variable):
+    """The ``tf.Variable`` objects holding a Keras weight (a split one's pieces)."""
+    value = variable.value
+    if isinstance(value, _integration.ShardedVariable):
+        return list(value.variables)
+    return [value]

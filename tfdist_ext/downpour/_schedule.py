@@ -43,10 +43,14 @@ def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     train_function = TrainFunction(model, strategy, runtime, _epoch_steps(args, kwargs))
     model.train_function = train_function
     try:
-        return keras_fit(model, *args, **kwargs)
+        history = keras_fit(model, *args, **kwargs)
     finally:
         model.train_function = None
         train_function.close()
+    # Only after a fit that ended normally (every round finished): the next
+    # fit's workers continue from what they kept if nothing changed since.
+    runtime.end_fit(model)
+    return history
 
 
 def epoch_logs(model, logs, keras_epoch_logs):
@@ -159,8 +163,9 @@ class TrainFunction:
                 continue
             self._scheduled_steps += 1
             if self._scheduled_steps <= self.strategy.warmstart_steps:
-                # Warmstart: one replica at a time, in order.
-                self._schedule(1)
+                # Warmstart: one replica at a time, in order, each from the
+                # server's latest parameters (none prefetched).
+                self._schedule(1, prefetch=False)
                 self._wait(lambda: not self._inflight)
             else:
                 self._pending += 1
@@ -238,7 +243,7 @@ class TrainFunction:
             self._scheduled_steps += size
             self._schedule(size)
 
-    def _schedule(self, steps):
+    def _schedule(self, steps, prefetch=True):
         self._pending = 0
         if steps <= 0:
             return
@@ -252,6 +257,7 @@ class TrainFunction:
         remote = self.coordinator.schedule(
             self._round,
             args=(self._current, self.runtime.worker_index(), tf.constant(steps, tf.int32)),
+            kwargs={"prefetch": tf.constant(prefetch)},
         )
         self._inflight.append((remote, steps))
 
@@ -298,6 +304,7 @@ class TrainFunction:
             fetch_bytes=int(out["fetch_bytes"]),
             staleness=out["staleness"],
             worker=int(out["worker"]),
+            prefetched=int(out.get("prefetched", 0)),
         )
         # Under loss scaling an overflowing push is routine: the server
         # skips it and halves the scale, silently, as Keras does.

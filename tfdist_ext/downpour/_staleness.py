@@ -231,6 +231,9 @@ def _read_on(variable):
 class _Plain:
     """Plain Downpour: the worker reads the parameters; the push is applied as is."""
 
+    # A fetch only reads: it may happen at any time, a round early too.
+    fetch_is_a_read = True
+
     def __init__(self, trainable):
         self.trainable = trainable
 
@@ -275,6 +278,9 @@ class _StalenessScaled(_Plain):
 
 
 class _DelayCompensated(_Plain):
+    # A fetch fills a backup slot that the pushes computed from it use.
+    fetch_is_a_read = False
+
     def __init__(self, strategy, policy, trainable, version, custom_step):
         super().__init__(trainable)
         if custom_step:
@@ -356,6 +362,8 @@ def clock_bound(strategy):
 
 class _Unbounded:
     """No bound: nothing waits, nothing is recorded."""
+
+    s = None
 
     @_graph_code
     def start(self, worker):

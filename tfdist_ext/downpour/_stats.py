@@ -17,6 +17,10 @@ class DownpourStats:
     are not. With ``max_staleness=s``, ``clock_leads[k]`` counts the fetches
     a worker started ``k`` fetch blocks ahead of the slowest live worker
     (``k <= s``; read at each epoch's end); ``None`` without.
+    ``rounds`` counts the rounds whose counters were read, and
+    ``prefetched_rounds`` those of them that started from the parameters
+    their worker fetched during its previous round (no fetch crossed before
+    their first step).
 
     Example:
       >>> strategy.stats.summary()   # doctest: +SKIP
@@ -32,6 +36,8 @@ class DownpourStats:
             self.steps = 0
             self.pushes = 0
             self.fetches = 0
+            self.rounds = 0
+            self.prefetched_rounds = 0
             self.rejected_pushes = 0
             self.push_bytes = 0
             self.fetch_bytes = 0
@@ -41,7 +47,16 @@ class DownpourStats:
             self.clock_leads = None
 
     def record(
-        self, steps, pushes, fetches, rejected, push_bytes, fetch_bytes, staleness, worker=None
+        self,
+        steps,
+        pushes,
+        fetches,
+        rejected,
+        push_bytes,
+        fetch_bytes,
+        staleness,
+        worker=None,
+        prefetched=0,
     ):
         with self._lock:
             if worker is not None:
@@ -49,6 +64,8 @@ class DownpourStats:
             self.steps += int(steps)
             self.pushes += int(pushes)
             self.fetches += int(fetches)
+            self.rounds += 1
+            self.prefetched_rounds += int(prefetched)
             self.rejected_pushes += int(rejected)
             self.push_bytes += int(push_bytes)
             self.fetch_bytes += int(fetch_bytes)
@@ -67,6 +84,8 @@ class DownpourStats:
                 "steps": 0,
                 "pushes": 0,
                 "fetches": 0,
+                "rounds": 0,
+                "prefetched_rounds": 0,
                 "rejected_pushes": 0,
                 "push_bytes": 0,
                 "fetch_bytes": 0,
@@ -78,6 +97,8 @@ class DownpourStats:
                 "steps": self.steps - base["steps"],
                 "pushes": self.pushes - base["pushes"],
                 "fetches": self.fetches - base["fetches"],
+                "rounds": self.rounds - base["rounds"],
+                "prefetched_rounds": self.prefetched_rounds - base["prefetched_rounds"],
                 "rejected_pushes": self.rejected_pushes - base["rejected_pushes"],
                 "push_bytes_per_step": (self.push_bytes - base["push_bytes"]) / steps,
                 "fetch_bytes_per_step": (self.fetch_bytes - base["fetch_bytes"]) / steps,
@@ -91,6 +112,8 @@ class DownpourStats:
                 "steps": self.steps,
                 "pushes": self.pushes,
                 "fetches": self.fetches,
+                "rounds": self.rounds,
+                "prefetched_rounds": self.prefetched_rounds,
                 "rejected_pushes": self.rejected_pushes,
                 "push_bytes": self.push_bytes,
                 "fetch_bytes": self.fetch_bytes,

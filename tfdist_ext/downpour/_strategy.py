@@ -227,10 +227,11 @@ class DownpourStrategy(ParameterServerBase):
 
     def _build_round(self, model, version):
         """The tf.function a worker runs for one round (``_round.build_round``)."""
-        return _round.build_round(model, self, version)
+        return _round.build_round(model, self, version, self._runtime.fit_generation())
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
+        self._runtime.begin_fit(model)
         try:
             return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
         except tf.errors.OpError as e:
