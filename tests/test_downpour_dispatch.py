@@ -249,9 +249,10 @@ def test_chief_iterators_are_held_weakly():
 def test_rounds_start_from_prefetched_parameters_until_weights_are_set(script):
     # One worker, 2 ps tasks with the hidden kernel split across them. A
     # round's last block fetches the next round's parameters; the worker's
-    # next round starts from them, in the same fit and in a fit right after
-    # it (weights as the last fit left them), but not after set_weights:
-    # that fit's first round fetches what was set. The loss is the mean
+    # next round starts from them, in the same epoch, the next epoch and a
+    # fit right after (weights as the last epoch left them), but not after
+    # set_weights between fits or in a callback at an epoch's start: that
+    # epoch's first round fetches what was set. The loss is the mean
     # output, so the bias's gradient is exactly 1 whatever the staleness:
     # the bias ends at (what was set) - lr * steps only if every step's
     # gradient is applied exactly once.
@@ -269,16 +270,23 @@ with LocalCluster(num_workers=1, num_ps=2) as cluster:
                       steps_per_execution=20)
     split = isinstance(model.layers[0].kernel.value,
                        tfdist_ext._integration.ShardedVariable)
-    for what in ("first", "again", "set", "again"):
+    def set_all(value):
+        model.set_weights([np.full(w.shape, value, "float32") for w in model.get_weights()])
+    class SetAtSecondEpoch(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                set_all(0.02)
+    for what in ("first", "again", "set", "again", "callback"):
         if what == "set":
-            model.set_weights([np.full(w.shape, 0.01, "float32") for w in model.get_weights()])
-        bias = float(model.layers[1].bias.numpy()[0])
+            set_all(0.01)
+        bias = 0.02 if what == "callback" else float(model.layers[1].bias.numpy()[0])
         strategy.stats.reset()
-        model.fit(data, epochs=2, steps_per_epoch=60, verbose=0)
+        model.fit(data, epochs=2, steps_per_epoch=60, verbose=0,
+                  callbacks=[SetAtSecondEpoch()] if what == "callback" else [])
         s = strategy.stats.summary()
         out.append(dict(what=what, fetches=s["fetches"], prefetched=s["prefetched_rounds"],
-                        staleness=list(strategy.stats.staleness), bias_before=bias,
-                        bias=float(model.layers[1].bias.numpy()[0])))
+                        rounds=s["rounds"], staleness=list(strategy.stats.staleness),
+                        bias_before=bias, bias=float(model.layers[1].bias.numpy()[0])))
 report(out=out, split=split)
 """,
         timeout=280,
@@ -286,15 +294,19 @@ report(out=out, split=split)
     r = _result(proc)
     assert r["split"]
     for run in r["out"]:
-        # 6 rounds of 20 steps; 120 pushes, all applied once.
-        assert abs(run["bias"] - (run["bias_before"] - 0.01 * 120)) < 1e-4, run
+        # 6 rounds of 20 steps; every step's push applied once (the callback
+        # run: the 60 steps after the weights were set).
+        steps = 60 if run["what"] == "callback" else 120
+        assert abs(run["bias"] - (run["bias_before"] - 0.01 * steps)) < 1e-4, run
         # Fetches: one per step, each round's last for the next round, and
         # one at the start of a round that holds no prefetched parameters.
+        assert run["rounds"] == 6, run
         assert run["fetches"] == 120 + 6 - run["prefetched"], run
-    first, again, after_set, again_2 = r["out"]
-    # A first fit, and one after set_weights, fetch at their first round
+    # The first fit, and one after set_weights, fetch at their first round
     # (its first push is fresh); a fit after a fit does not (its first push
-    # misses the last fit's last push).
-    for run, prefetched in ((first, 5), (again, 6), (after_set, 5), (again_2, 6)):
+    # misses the last fit's last push); weights set at the second epoch's
+    # start make that epoch's first round fetch.
+    for run, prefetched in zip(r["out"], (5, 6, 5, 6, 5)):
         assert run["prefetched"] == prefetched, run
-        assert (run["staleness"][0] == 0) == (prefetched == 5), run
+        assert (run["staleness"][0] == 0) == (run["what"] in ("first", "set")), run
+    assert r["out"][4]["staleness"][60] == 0, r["out"][4]

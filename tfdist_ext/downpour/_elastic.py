@@ -45,9 +45,10 @@ class ElasticAveragingStrategy(DownpourStrategy):
     its last round when it is back; the others carry on meanwhile. A replica
     whose weights become NaN or Inf does not exchange (counted in
     ``rejected_pushes``, with a warning) and restarts from the centre. A lost
-    ``ps`` task stops ``fit`` with a clear error. A ``fit`` after a ``fit``
-    continues the replicas; one after the centre's weights were set (or
-    loaded) starts each replica from the centre.
+    ``ps`` task stops ``fit`` with a clear error. Epoch after epoch and
+    ``fit`` after ``fit`` continue the replicas; an epoch that starts after
+    the centre's weights were set (or loaded) starts each replica from the
+    centre.
 
     ``fit`` refuses, before the first step: an optimizer other than
     ``keras.optimizers.SGD`` (EASGD's local update is SGD; wrap nothing,

@@ -24,7 +24,7 @@ those parameters (:class:`PrefetchedParams`) for its next round, which then
 starts computing at once instead of waiting for a fetch that would cross
 alone; they hold while the server's weights are those of the same
 generation (``DownpourRuntime.fit_generation``: not across weights set
-between ``fit`` calls). Not where a fetch leaves state on the server that
+between epochs or ``fit`` calls). Not where a fetch leaves state on the server that
 must stay in step with the pushes (``DelayCompensation``'s backup slots,
 ``max_staleness``'s clocks), nor for a user's ``train_step`` (it reads the
 server's variables itself), nor in warmstart.

@@ -91,11 +91,13 @@ class DownpourRuntime:
 
         What a worker keeps for its next round (Downpour's prefetched
         parameters, an elastic replica) holds while the generation it was
-        written in is current. :meth:`begin_fit` advances it unless the
-        server's weights are exactly those the model's last ``fit`` left:
-        weights set between ``fit`` calls (``set_weights``, a checkpoint, a
-        first ``fit``) start every worker afresh from the server, while
-        ``fit`` after ``fit`` (evaluating between them) continues.
+        written in is current. :meth:`check_weights`, at the start of each
+        epoch of ``fit``, advances it unless the server's weights are
+        exactly those the model's last epoch left (:meth:`remember_weights`):
+        weights set or loaded between epochs or ``fit`` calls (a callback,
+        ``set_weights``, a checkpoint) start every worker afresh from the
+        server, while epoch after epoch and ``fit`` after ``fit``
+        (evaluating between them) continue.
         """
         if self._generation is None:
             with self._strategy.scope():
@@ -104,14 +106,15 @@ class DownpourRuntime:
                 )
         return self._generation
 
-    def begin_fit(self, model):
-        """A ``fit`` of ``model`` starts: a new generation unless its weights are as left."""
+    def check_weights(self, model):
+        """An epoch of ``model`` starts: a new generation unless its weights are as left."""
         entry = self._weights_left.get(id(model))
         if entry is None or not entry.covers(model) or not entry.unchanged():
             self.fit_generation().assign_add(1)
 
-    def end_fit(self, model):
-        """Every round of a ``fit`` of ``model`` finished: remembers its weights as they are."""
+    def remember_weights(self, model):
+        """Every round of an epoch of ``model`` finished: remembers its weights as they are."""
+        self._weights_left = {k: e for k, e in self._weights_left.items() if e.model() is not None}
         entry = self._weights_left.get(id(model))
         if entry is None or not entry.covers(model):
             entry = _WeightsLeft(model)
@@ -155,7 +158,7 @@ class DownpourRuntime:
 
 
 class _WeightsLeft:
-    """A copy, on the ``ps`` tasks, of a model's weights as its last ``fit`` left them.
+    """A copy, on the ``ps`` tasks, of a model's weights as its last epoch left them.
 
     One copy of each trainable weight (of each piece of a split one), next
     to it; comparing and copying run where the weights live, and only a

@@ -43,14 +43,10 @@ def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     train_function = TrainFunction(model, strategy, runtime, _epoch_steps(args, kwargs))
     model.train_function = train_function
     try:
-        history = keras_fit(model, *args, **kwargs)
+        return keras_fit(model, *args, **kwargs)
     finally:
         model.train_function = None
         train_function.close()
-    # Only after a fit that ended normally (every round finished): the next
-    # fit's workers continue from what they kept if nothing changed since.
-    runtime.end_fit(model)
-    return history
 
 
 def epoch_logs(model, logs, keras_epoch_logs):
@@ -154,6 +150,11 @@ class TrainFunction:
             return self._call(iterator)
 
     def _call(self, iterator):
+        if self.steps_since_finish == 0:
+            # An epoch starts: what workers kept from the last one (prefetched
+            # parameters, replicas) holds only if no one changed the weights
+            # since (a callback, set_weights or a load between fit calls).
+            self.runtime.check_weights(self.model)
         dataset = self.runtime.source_of(iterator)
         self._current = self.runtime.per_worker_iterator(dataset)
         for _ in range(self.model.steps_per_execution):
@@ -193,6 +194,7 @@ class TrainFunction:
             self._wait(lambda: not self._inflight)
             self._count_iterations()
             self._read_logs()
+            self.runtime.remember_weights(self.model)
         self._ahead = 0
         self.steps_since_finish = 0
         self._epoch_base = self.strategy.stats.snapshot()

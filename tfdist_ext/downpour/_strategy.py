@@ -231,7 +231,6 @@ class DownpourStrategy(ParameterServerBase):
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
-        self._runtime.begin_fit(model)
         try:
             return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
         except tf.errors.OpError as e:
