@@ -192,7 +192,7 @@ class _Replicas:
     """Each worker's replica (and SGD momentum) between rounds, on the ps tasks.
 
     Row ``i`` of ``weights[j]`` is worker ``i``'s copy of trainable weight
-    ``j``, colocated with the weight; ``born[i]`` is the ``fit`` generation
+    ``j``, colocated with the weight; ``born[i]`` is the generation
     that row belongs to (an older one restarts from the centre: see
     ``DownpourRuntime.fit_generation``).
     """

@@ -121,8 +121,9 @@ def build_round(model, strategy, version, generation):
 
     ``version`` is the server's update counter (a variable on a ``ps``
     task); staleness is measured in its units. ``generation`` is the
-    ``fit`` counter (``DownpourRuntime.fit_generation``) that the
-    parameters a worker prefetches for its next round belong to.
+    counter (``DownpourRuntime.fit_generation``, advanced when weights
+    change between epochs) that the parameters a worker prefetches for its
+    next round belong to.
     """
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
@@ -240,11 +241,11 @@ def build_round(model, strategy, version, generation):
             params, fetched, fetches = first_fetch()
         else:
             # The parameters this worker prefetched in its last round of this
-            # fit, if any: no fetch crosses alone before the first block.
+            # generation, if any: no fetch crosses alone before the first block.
             started_prefetched = tf.logical_and(carry.valid(), prefetch)
-            kept = carry.read()  # outside the cond: a per-worker variable is
+            held = carry.read()  # outside the cond: a per-worker variable is
             # read where the function binds it to the worker's copy
-            params, fetched, fetches = tf.cond(started_prefetched, lambda: kept, first_fetch)
+            params, fetched, fetches = tf.cond(started_prefetched, lambda: held, first_fetch)
         source = (fetched, slot)
         prefetched, prefetched_source = params, source
         accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
@@ -339,8 +340,8 @@ class PrefetchedParams:
     the round's last block fetches the parameters once more while it
     computes (after the round's second-last push is applied, as every
     block's fetch), and the round keeps them in per-worker variables with
-    the ``fit`` generation they belong to; the worker's next round of the
-    same ``fit`` starts from them instead of from a fetch that would cross
+    the generation they belong to; the worker's next round of the same
+    generation starts from them instead of from a fetch that would cross
     alone, before any step can compute. They miss the round's last push and
     whatever the server applied between the two rounds: that staleness is
     measured like any other. A worker that is lost or restarted loses only
@@ -362,7 +363,7 @@ class PrefetchedParams:
             )
 
     def valid(self):
-        """Whether this worker holds parameters prefetched in this ``fit``."""
+        """Whether this worker holds parameters prefetched in the current generation."""
         return tf.equal(self.born.read_value(), self.generation.read_value())
 
     def read(self):

@@ -116,16 +116,16 @@ class DownpourRuntime:
         """Every round of an epoch of ``model`` finished: remembers its weights as they are."""
         self._weights_left = {k: e for k, e in self._weights_left.items() if e.model() is not None}
         entry = self._weights_left.get(id(model))
-        if entry is None or not entry.covers(model):
+        new = entry is None or not entry.covers(model)
+        if new:
             entry = _WeightsLeft(model)
             self._weights_left[id(model)] = entry
-            entry.remember()
+        entry.remember()
+        if new:
             # Traced and set up on the ps now, at the end of the first epoch,
             # not at the next one's start: 0.2-0.3 s once per model, which
             # a short fit that follows would otherwise pay in its time.
             entry.unchanged()
-        else:
-            entry.remember()
 
     def round_for(self, model):
         """The traced round of ``model``: one per model, optimizer and round knobs
