@@ -39,10 +39,14 @@ LR, DOWNPOUR_LR = 0.05, 0.05
 MIN_BUDGET = 15.0  # training seconds every system gets at least
 DOWNPOUR_BUDGET = 40.0  # and Downpour at most (its runs are the slowest to start)
 # Blocks of n steps per Downpour round: a block's push and fetch cross while
-# the next block computes, so only a round's first fetch and last push are
-# not hidden (one block a round: nothing hides; measured 1.34 s/step against
-# 0.96 at four, 10M, n = 5, 1 ps, 100 Mbit/s).
-ROUND_BLOCKS = 4
+# the next block computes, so only a round's last push is not hidden (and
+# its first fetch, when its worker did not prefetch). One block a round:
+# nothing hides; ``round_length`` measured 0.55 of the ideal at 1 block,
+# 0.68-0.80 at 4 and 0.83-0.86 at 8 (10M, n = 5, 100 Mbit/s), flat within
+# the runs' scatter beyond. ``DownpourStrategy``'s own default round is
+# about 50 steps, 10 blocks at n = 5; results before 2026-11-26 afternoon
+# used 4 blocks.
+ROUND_BLOCKS = 8
 UNLIMITED_BUDGET = 8.0  # training seconds of a run on links without a rate limit
 
 
@@ -389,7 +393,7 @@ def _notes(quick, seed, dense_steps):
         "traces, and its steps count) are excluded.",
         "step s: synchronous rows, the median over timed steps of the slower worker, from a "
         "callback; Downpour rows, training seconds / steps, each chunk one fit of four rounds "
-        f"(two a worker) of {ROUND_BLOCKS} blocks of n steps (n = 1: five steps) that returns "
+        f"(two a worker) of {ROUND_BLOCKS} blocks of n steps that returns "
         "when they have finished, drain included. (Results before "
         "2026-11-25 timed Downpour in one fit with a callback, whose clock and counters missed "
         "the rounds that kept training during each evaluation: optimistic, most at n = 20.)",
