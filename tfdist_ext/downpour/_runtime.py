@@ -11,7 +11,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfdist_ext import _integration
+from tfdist_ext.cluster._ps_strategy import components
 from tfdist_ext.downpour import _data
 from tfdist_ext.downpour import _round
 
@@ -174,7 +174,7 @@ class _WeightsLeft:
     def __init__(self, model):
         self.model = weakref.ref(model)
         self.weights = list(model.trainable_variables)
-        self.pieces = [p for v in self.weights for p in _pieces(v)]
+        self.pieces = [p for v in self.weights for p in components(v)]
         self.copies = []
         for piece in self.pieces:
             with tf.device(piece.device):
@@ -206,11 +206,3 @@ class _WeightsLeft:
             with tf.device(piece.device):
                 same.append(tf.reduce_all(tf.equal(piece.read_value(), copy.read_value())))
         return tf.reduce_all(same)
-
-
-def _pieces(variable):
-    """The ``tf.Variable`` objects holding a Keras weight (a split one's pieces)."""
-    value = variable.value
-    if isinstance(value, _integration.ShardedVariable):
-        return list(value.variables)
-    return [value]
