@@ -18,8 +18,9 @@ ascending. Each point is set beside:
   workers computing at once, plus the busiest link's bytes at the link
   rate), with the compute timed once in its own process on one thread;
 * ``scaling_model``'s prediction with the parameters fitted to
-  ``benchmarks/results/network.json`` (which holds only b = 4 and, for
-  n = 1, b = 5): out of sample for every other b.
+  ``benchmarks/results/network.json`` (which holds only
+  ``network.ROUND_BLOCKS`` blocks a round: 8 since 2026-11-26 afternoon,
+  4 before, and for n = 1 then 5): out of sample for every other b.
 """
 
 import os
