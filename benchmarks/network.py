@@ -40,12 +40,12 @@ MIN_BUDGET = 15.0  # training seconds every system gets at least
 DOWNPOUR_BUDGET = 40.0  # and Downpour at most (its runs are the slowest to start)
 # Blocks of n steps per Downpour round: a block's push and fetch cross while
 # the next block computes, so only a round's last push is not hidden (and
-# its first fetch, when its worker did not prefetch). One block a round:
-# nothing hides; ``round_length`` measured 0.55 of the ideal at 1 block,
-# 0.68-0.80 at 4 and 0.83-0.86 at 8 (10M, n = 5, 100 Mbit/s), flat within
-# the runs' scatter beyond. ``DownpourStrategy``'s own default round is
-# about 50 steps, 10 blocks at n = 5; results before 2026-11-26 afternoon
-# used 4 blocks.
+# its first fetch, when its worker did not prefetch). Before the prefetch
+# ``round_length`` measured 0.55 of the ideal at 1 block, 0.68-0.80 at 4
+# and 0.83-0.86 at 8 (10M, n = 5, 100 Mbit/s); with it, 0.84-0.94 (1
+# shard) and 0.75-0.84 (2) at every b, 4 and 8 within the runs' scatter.
+# ``DownpourStrategy``'s own default round is about 50 steps, 10 blocks at
+# n = 5; results before 2026-11-26 afternoon used 4 blocks.
 ROUND_BLOCKS = 8
 UNLIMITED_BUDGET = 8.0  # training seconds of a run on links without a rate limit
 
