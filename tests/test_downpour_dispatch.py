@@ -205,7 +205,7 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
         # such parameters: its worker's first round in this fit, or one
         # after a round that ended inside a fetch block.
         fresh = 1 + sum(size % n_fetch != 0 for size in run["sizes"][:-1])
-        assert run["prefetched"] == len(run["sizes"]) - fresh, name
+        assert run["prefetched"] == len(run["sizes"]) - fresh, (name, run)
         assert run["fetches"] == sum(size // n_fetch for size in run["sizes"]) + fresh, name
     # One worker, n = 1: only the fit's first push is fresh; every later one
     # was computed without the replica's own previous push (a round's first

@@ -237,6 +237,7 @@ def build_round(model, strategy, version, generation):
             return unpack_params(packed), fetched, tf.constant(1, tf.int64)
 
         started_prefetched = tf.constant(False)
+        carry_reads = []
         if carry is None:
             params, fetched, fetches = first_fetch()
         else:
@@ -246,6 +247,7 @@ def build_round(model, strategy, version, generation):
             held = carry.read()  # outside the cond: a per-worker variable is
             # read where the function binds it to the worker's copy
             params, fetched, fetches = tf.cond(started_prefetched, lambda: held, first_fetch)
+            carry_reads = [started_prefetched, held[1], *held[0]]
         source = (fetched, slot)
         prefetched, prefetched_source = params, source
         accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
@@ -315,7 +317,13 @@ def build_round(model, strategy, version, generation):
             # Kept when the last block fetched (a round of whole fetch blocks).
             kept = tf.logical_and(num_steps > 0, num_steps % n_fetch == 0)
             kept = tf.logical_and(kept, prefetch)
-            saved += carry.keep(kept, prefetched, prefetched_source[0])
+            # After this round's reads of the same per-worker variables: they
+            # get no automatic control dependencies, and the generation a
+            # keep writes is known from the round's start, so without this
+            # the write could come first and the round take as prefetched
+            # parameters it never fetched (seen about once in ten fits).
+            with tf.control_dependencies(carry_reads):
+                saved += carry.keep(kept, prefetched, prefetched_source[0])
         steps = after_writes(steps, saved, metric_vars, metric_values, metrics_start)
         return {
             "worker": worker,
