@@ -77,6 +77,15 @@ class OwnStep(keras.Sequential):
         self.steps_run.update_state(1.0)
         self.own_loss.update_state(loss)
         return {"steps_run": self.steps_run.result(), "own_loss": self.own_loss.result()}
+
+
+class WritesWeights(OwnStep):
+    # Writes a trainable weight itself: refused under Downpour.
+    def train_step(self, data):
+        logs = super().train_step(data)
+        kernel = self.trainable_variables[0]
+        kernel.assign(kernel * 0.999)
+        return logs
 """
 
 
@@ -107,11 +116,22 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     untouched = float(model.steps_run.result())
     strategy.n_fetch = 1
     split_refusal, _ = refusal(split)
+    with strategy.scope():
+        writer = WritesWeights(layers(16))
+        writer.compile(optimizer=keras.optimizers.Adagrad(0.05))
+        normed = OwnStep([keras.Input((64,)), keras.layers.Dense(16),
+                          keras.layers.BatchNormalization(), keras.layers.ReLU(),
+                          keras.layers.Dropout(0.2), keras.layers.Dense(10)])
+        normed.compile(optimizer=keras.optimizers.Adagrad(0.05))
+    write_refusal, _ = refusal(writer)
     h = model.fit(digits_train(), epochs=3, steps_per_epoch=30, verbose=0)
     s = strategy.stats.summary()
+    hn = normed.fit(digits_train(), epochs=1, steps_per_epoch=10, verbose=0)
+    moving_mean = normed.layers[1].moving_mean.numpy()
     report(refusal=fetch_refusal, split_refusal=split_refusal, refused_in=refused_in,
-           untouched=untouched, history=h.history, steps=s["steps"], pushes=s["pushes"],
-           iterations=int(model.optimizer.iterations.numpy()))
+           write_refusal=write_refusal, untouched=untouched, history=h.history,
+           steps=s["steps"], pushes=s["pushes"], iterations=int(model.optimizer.iterations.numpy()),
+           normed_steps=hn.history["steps_run"], moving_mean_moved=float(np.abs(moving_mean).max()))
 """,
         timeout=280,
     )
@@ -127,8 +147,18 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     # (Keras's read-then-write increments may overlap across workers).
     h = r["history"]
     assert h["own_loss"][-1] < h["own_loss"][0]
-    assert all(15 <= n <= 30 for n in h["steps_run"]), h["steps_run"]
+    # Each counts every step once: the step's metric updates accumulate on
+    # the round's local copy and are added atomically at its end (Keras's
+    # own assign_add, a read then a write, lost about half of them when two
+    # workers updated the server's metric variables at once).
+    assert h["steps_run"] == [30.0, 30.0, 30.0], h["steps_run"]
     assert r["steps"] == 90 and r["pushes"] == 30 and r["iterations"] == 90
+    # Its non-trainable weights (BatchNorm statistics) are written where they
+    # live, with Dropout in the model too; assigning a trainable weight in
+    # the step is refused before any batch, naming the weight.
+    assert r["normed_steps"] == [10.0] and r["moving_mean_moved"] > 0
+    assert r["write_refusal"] and "assigned" in r["write_refusal"], r["write_refusal"]
+    assert "kernel" in r["write_refusal"] and "apply_gradients" in r["write_refusal"]
 
 
 @pytest.mark.timeout(300)

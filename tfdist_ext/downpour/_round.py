@@ -32,7 +32,8 @@ server's variables itself), nor in warmstart.
 A model that overrides ``train_step`` has that step run instead, on the
 server's variables (it reads them itself: ``n_fetch`` is 1); the gradients
 it passes to ``self.optimizer.apply_gradients`` are taken by a
-:class:`GradientCollector` and accumulated and pushed like Downpour's own.
+:class:`GradientCollector` and accumulated and pushed like Downpour's own;
+its metric updates go to the round's local copy (:func:`user_local_step`).
 
 Each push advances ``optimizer.iterations`` by the number of local steps it
 carries, so that learning-rate schedules count training steps (batches) as
@@ -166,22 +167,16 @@ def build_round(model, strategy, version, generation):
         """The user's step reads the parameters itself: only the source."""
         return [], (version.read_value(), slot)
 
-    def user_step(params, metric_values, data):
-        """The user's ``train_step``; its ``optimizer.apply`` gives the gradients."""
-        with GradientCollector(model, trainable) as collector:
-            model.train_step(data)
-        return collector.gradients(), metric_values
-
     if owner is None:
         before_fetch, read, unpack_params = keras_before_fetch, keras_read, keras_unpack
         step, metric_vars = keras_local_step(model, optimizer, loss_scale)
     else:
-        # The user's step reads the variables where they live (n_fetch is 1),
-        # and updates its metrics there too.
+        # The user's step reads the variables where they live (n_fetch is 1);
+        # its metrics accumulate locally, as Keras's own step's do.
         _check_unsplit(trainable, owner)
-        before_fetch, read, step = (lambda worker, slot: tf.constant(True)), version_only, user_step
+        before_fetch, read = (lambda worker, slot: tf.constant(True)), version_only
+        step, metric_vars = user_local_step(model, owner, trainable, non_trainable)
         unpack_params = list
-        metric_vars = []
 
     push, state_vars = make_push(
         strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale, server
@@ -403,6 +398,53 @@ def after_writes(steps, writes, metric_vars, metric_values, metrics_start):
     ]
     with tf.control_dependencies(writes):
         return tf.identity(steps)
+
+
+def user_local_step(model, owner, trainable, non_trainable):
+    """The user's ``train_step`` (``owner``'s) as a local step; ``(step, metric_vars)``.
+
+    ``step(params, metric_values, data)`` runs it on the server's variables
+    (``params`` is unused: the step reads them itself) and gives the
+    gradients its ``optimizer.apply`` handed to a :class:`GradientCollector`.
+    Its metric updates go to the round's local copy ``metric_values``, as
+    Keras's own step's do (``keras_local_step``): a Keras variable's
+    ``assign_add`` is a read and a write, so two workers updating the
+    model's metric variables at once lose each other's updates. Its
+    non-trainable weights (BatchNorm statistics) are written where they
+    live; any other variable it assigns is refused when the step is traced.
+    """
+    metric_vars = list({id(v): v for v in model.metrics_variables}.values())
+    known = {id(v) for v in metric_vars + non_trainable}
+
+    def step(params, metric_values, data):
+        mapping = list(zip(metric_vars, metric_values)) + [(v, v.value) for v in non_trainable]
+        with GradientCollector(model, trainable) as collector:
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                start = [scope.get_current_value(v) for v in non_trainable]
+                model.train_step(data)
+        _check_assigned(model, owner, set(scope.state_mapping) - known)
+        for v, old in zip(non_trainable, start):
+            new = scope.get_current_value(v)
+            if new is not old:
+                v.assign(new)
+        return collector.gradients(), [scope.get_current_value(v) for v in metric_vars]
+
+    return step, metric_vars
+
+
+def _check_assigned(model, owner, unknown):
+    """Refuses a ``train_step`` that assigned variables other than metrics and non-trainables."""
+    if not unknown:
+        return
+    optimizer = model.optimizer.variables if model.optimizer is not None else []
+    names = [v.path for v in list(model.variables) + list(optimizer) if id(v) in unknown]
+    what = ", ".join(names) if names else "a variable that is not the model's"
+    raise ValueError(
+        f"DownpourStrategy: {owner.__name__}.train_step assigned {what} directly. "
+        "Under Downpour the trainable weights live on the parameter servers and change "
+        "only through self.optimizer.apply_gradients(...) (the pushed gradients); "
+        "metrics and non-trainable weights may be updated in train_step."
+    )
 
 
 def _check_unsplit(trainable, owner):
