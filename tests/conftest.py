@@ -101,6 +101,28 @@ def run_script(source, *, timeout=240, env=None, expect_ok=True):
     return proc
 
 
+#: Script code: a model whose layer adds a loss in call() (Keras's
+#: ActivityRegularization; "Making new layers and models via subclassing"
+#: calls add_loss the same way), and plain Keras's loss at a trained model's
+#: weights with and without that term, to compare with what a strategy reported.
+ADDED_LOSS = """
+def regularized(cls=keras.Sequential, reg=True):
+    layers = [keras.Input((64,)), keras.layers.Dense(16, activation="relu")]
+    if reg:
+        layers.append(keras.layers.ActivityRegularization(l2=0.05))
+    return cls(layers + [keras.layers.Dense(10)])
+
+def keras_losses(model, x, y):
+    out = {}
+    for name, reg in (("keras", True), ("without_added", False)):
+        plain = regularized(reg=reg)
+        plain.set_weights(model.get_weights())
+        plain.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        out[name] = plain.evaluate(x, y, batch_size=len(x), verbose=0)
+    return out
+"""
+
+
 _NOISE = (
     "E0000",
     "W0000",

@@ -13,7 +13,10 @@ import json
 import numpy as np
 import pytest
 
-PRELUDE = """
+from conftest import ADDED_LOSS
+
+PRELUDE = (
+    """
 import json, time
 import numpy as np
 import keras
@@ -46,6 +49,8 @@ def layers(hidden=32):
     return [keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"),
             keras.layers.Dense(10)]
 """
+    + ADDED_LOSS
+)
 
 
 def _result(proc):
@@ -77,6 +82,21 @@ class OwnStep(keras.Sequential):
         self.steps_run.update_state(1.0)
         self.own_loss.update_state(loss)
         return {"steps_run": self.steps_run.result(), "own_loss": self.own_loss.result()}
+
+
+class GuideStep(keras.Sequential):
+    # "Customizing what happens in fit()": the loss from self.compute_loss.
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+        return {m.name: m.result() for m in self.metrics}
 
 
 class WritesWeights(OwnStep):
@@ -123,15 +143,24 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
                           keras.layers.BatchNormalization(), keras.layers.ReLU(),
                           keras.layers.Dropout(0.2), keras.layers.Dense(10)])
         normed.compile(optimizer=keras.optimizers.Adagrad(0.05))
+        guide = regularized(GuideStep)
+        guide.compile(optimizer=keras.optimizers.SGD(0.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     write_refusal, _ = refusal(writer)
     h = model.fit(digits_train(), epochs=3, steps_per_epoch=30, verbose=0)
     s = strategy.stats.summary()
+    x, y = datasets.digits("train", flatten=True, as_numpy=True)
+    x, y = x[:64], y[:64]
+    hg = guide.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
+                   verbose=0)
+    guide_losses = keras_losses(guide, x, y)
     hn = normed.fit(digits_train(), epochs=1, steps_per_epoch=10, verbose=0)
     moving_mean = normed.layers[1].moving_mean.numpy()
     report(refusal=fetch_refusal, split_refusal=split_refusal, refused_in=refused_in,
            write_refusal=write_refusal, untouched=untouched, history=h.history,
            steps=s["steps"], pushes=s["pushes"], iterations=int(model.optimizer.iterations.numpy()),
-           normed_steps=hn.history["steps_run"], moving_mean_moved=float(np.abs(moving_mean).max()))
+           normed_steps=hn.history["steps_run"], moving_mean_moved=float(np.abs(moving_mean).max()),
+           guide_reported=hg.history["loss"][-1], **guide_losses)
 """,
         timeout=280,
     )
@@ -159,6 +188,9 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
     assert r["normed_steps"] == [10.0] and r["moving_mean_moved"] > 0
     assert r["write_refusal"] and "assigned" in r["write_refusal"], r["write_refusal"]
     assert "kernel" in r["write_refusal"] and "apply_gradients" in r["write_refusal"]
+    # The guide's train_step (self.compute_loss) includes a layer's add_loss.
+    assert r["keras"] - r["without_added"] > 0.05, r
+    assert abs(r["guide_reported"] - r["keras"]) < 1e-4 * r["keras"], r
 
 
 @pytest.mark.timeout(300)
@@ -172,8 +204,19 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         own = OwnLoss(layers())
         own.compile(optimizer=keras.optimizers.Adagrad(0.05))
     h = own.fit(digits_train(), epochs=3, steps_per_epoch=30, verbose=0)
-    report(steps=strategy.stats.summary()["steps"], loss=h.history["loss"],
-           compute_loss_calls=OwnLoss.calls)
+    steps = strategy.stats.summary()["steps"]
+    # A layer's add_loss: SGD(0) keeps the weights, so every step's loss is
+    # the same batch's loss at the same weights, as plain Keras computes it.
+    x, y = datasets.digits("train", flatten=True, as_numpy=True)
+    x, y = x[:64], y[:64]
+    with strategy.scope():
+        added = regularized()
+        added.compile(optimizer=keras.optimizers.SGD(0.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ha = added.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
+                   verbose=0)
+    report(steps=steps, loss=h.history["loss"], compute_loss_calls=OwnLoss.calls,
+           added_reported=ha.history["loss"][-1], **keras_losses(added, x, y))
 """,
         timeout=280,
     )
@@ -182,6 +225,10 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # Downpour trains.
     assert r["compute_loss_calls"] > 0
     assert r["steps"] == 90 and r["loss"][-1] < r["loss"][0]
+    # The loss a layer adds in call() is part of what Downpour trains (it
+    # was dropped: Downpour reported the loss without it).
+    assert r["keras"] - r["without_added"] > 0.05, r
+    assert abs(r["added_reported"] - r["keras"]) < 1e-4 * r["keras"], r
 
 
 @pytest.mark.timeout(300)
@@ -206,8 +253,16 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         own = OwnLoss(layers())
         own.compile(optimizer=LBFGS())
     h = own.fit(x, y, epochs=5, verbose=0)
+    # A layer's add_loss is part of the objective: the loss Sandblaster
+    # reports at its final iterate is plain Keras's at those weights.
+    with strategy.scope():
+        added = regularized()
+        added.compile(optimizer=LBFGS(),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    ha = added.fit(x, y, epochs=2, verbose=0)
     report(refusal=refusal, step_ran=CountingStep.steps, passes=len(strategy.passes),
-           loss=h.history["loss"], compute_loss_calls=OwnLoss.calls)
+           loss=h.history["loss"], compute_loss_calls=OwnLoss.calls,
+           added_reported=ha.history["loss"][-1], **keras_losses(added, x, y))
 """,
         timeout=280,
     )
@@ -217,6 +272,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     assert "compute_loss" in r["refusal"]
     assert r["step_ran"] == 0
     assert r["compute_loss_calls"] > 0 and r["loss"][-1] < r["loss"][0]
+    assert r["keras"] - r["without_added"] > 0.01, r
+    assert abs(r["added_reported"] - r["keras"]) < 1e-4 * r["keras"], r
 
 
 @pytest.mark.timeout(400)

@@ -372,6 +372,43 @@ def test_pipelined_training_follows_the_unpipelined_trajectory(cpu_devices):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_a_loss_added_in_call_is_trained_or_refused(cpu_devices):
+    # ActivityRegularization adds its loss in call() (add_loss), inside a
+    # stage's tape: one step must equal plain Keras's (its gradient was
+    # dropped), and micro-batches, which cannot split it, refuse it.
+    def make():
+        return keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(16, activation="relu"),
+                keras.layers.ActivityRegularization(l2=0.05, name="act_reg"),
+                keras.layers.Dense(10),
+            ]
+        )
+
+    x, y = digits(64)
+    data = tf.data.Dataset.from_tensors((x, y)).repeat()
+    keras.utils.set_random_seed(0)
+    plain = make()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    start = plain.get_weights()
+    expected = plain.fit(data, epochs=1, steps_per_epoch=1, verbose=0).history["loss"]
+    for microbatches in (1, 4):
+        strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=microbatches)
+        model = built(strategy, make, optimizer=keras.optimizers.SGD(0.1))
+        model.set_weights(start)
+        if microbatches > 1:
+            with pytest.raises(ValueError, match="act_reg add a loss in call"):
+                model.fit(data, epochs=1, steps_per_epoch=1, verbose=0)
+            for a, b in zip(model.get_weights(), start):
+                np.testing.assert_array_equal(a, b)
+            continue
+        loss = model.fit(data, epochs=1, steps_per_epoch=1, verbose=0).history["loss"]
+        np.testing.assert_allclose(loss, expected, rtol=1e-6)
+        for a, b in zip(model.get_weights(), plain.get_weights()):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 # --- Keras workflow -----------------------------------------------------------
 
 

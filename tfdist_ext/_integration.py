@@ -177,6 +177,10 @@ _check(keras.optimizers.Optimizer, "_use_weight_decay", params=("variable",))
 _check(keras.optimizers.Optimizer, "_get_variable_index", params=("variable",))
 if global_state is not None:
     _check(global_state, "get_global_attribute")
+# What a layer's call added with add_loss (the pipelined step sends these
+# losses their gradient in the stage that computed them).
+_check(keras.layers.Layer, "_flatten_layers", params=("include_self",))
+_check(keras.layers.Layer, "_get_own_losses")
 
 # model parallelism: a functional model's layer graph (the pipelined step cuts
 # it into stages; a tensor's Keras mask, e.g. from Embedding(mask_zero=True),
@@ -352,6 +356,35 @@ def loss_tracker(model):
 def compiled_metrics(model):
     """The model's compiled metrics container, or ``None`` before it is built."""
     return getattr(model, "_compile_metrics", None)
+
+
+def added_losses(layer):
+    """The losses ``layer``'s last call added (``add_loss``, activity
+    regularizers), its sublayers' included; no weight regularization.
+
+    Keras clears them when a layer is called outside another layer's call.
+    A functional graph's plain operations (``keras.ops``) add none.
+    """
+    if not isinstance(layer, keras.layers.Layer):
+        return []
+    return [loss for sub in layer._flatten_layers() for loss in sub._get_own_losses()]
+
+
+#: Held while a model is called to trace a step (see :func:`one_trace_at_a_time`).
+_TRACE_LOCK = threading.RLock()
+
+
+def one_trace_at_a_time():
+    """A lock to hold while tracing a call of a shared model from a thread.
+
+    A Keras layer keeps per-call state on itself: the ids of the losses its
+    call added (``add_loss``, activity regularizers), cleared when a new call
+    starts. Two threads tracing the same model at once (Sandblaster's
+    per-worker functions) clear each other's, and ``model.losses`` then
+    leaves the term out of one of them. Tracing runs the Python once, so the
+    lock costs nothing when the traced function runs.
+    """
+    return _TRACE_LOCK
 
 
 def call_has_training_arg(layer):

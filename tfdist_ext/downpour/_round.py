@@ -93,7 +93,10 @@ def keras_local_step(model, optimizer, loss_scale):
             tape.watch(params)
             mapping = list(zip(trainable, params))
             mapping += [(v, v.value) for v in non_trainable]
-            with keras.StatelessScope(state_mapping=mapping) as scope:
+            with (
+                _integration.one_trace_at_a_time(),
+                keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope,
+            ):
                 y_pred = _integration.call_model(model, x, training=True)
                 loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
             new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
@@ -418,8 +421,8 @@ def user_local_step(model, owner, trainable, non_trainable):
 
     def step(params, metric_values, data):
         mapping = list(zip(metric_vars, metric_values)) + [(v, v.value) for v in non_trainable]
-        with GradientCollector(model, trainable) as collector:
-            with keras.StatelessScope(state_mapping=mapping) as scope:
+        with _integration.one_trace_at_a_time(), GradientCollector(model, trainable) as collector:
+            with keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope:
                 start = [scope.get_current_value(v) for v in non_trainable]
                 model.train_step(data)
         _check_assigned(model, owner, set(scope.state_mapping) - known)

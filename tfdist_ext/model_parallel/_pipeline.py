@@ -204,12 +204,16 @@ def microbatch_gradients(model, plan, data, microbatches):
     # Forward: micro-batch m through stage s, each in its own tape, on the
     # stage's device. (A batch smaller than `microbatches` leaves some
     # micro-batches empty; empty tensors flow through harmlessly.)
-    tapes, ins, outs, values = {}, {}, {}, []
+    # A layer's add_loss (or activity regularizer) adds a loss computed in its
+    # stage's tape: `added` keeps them, and the backward pass sends them the
+    # loss's gradient with respect to them.
+    tapes, ins, outs, values, added = {}, {}, {}, [], {}
     for m in range(microbatches):
         values.append(dict(zip(model_inputs, (v[m] for v in split_x))))
         for s, stage in enumerate(stages):
             with tf.device(stage.device):
                 local = {k: _carry(values[m][k]) for k in stage.inputs}
+                added[s, m] = []
                 with tf.GradientTape() as tape:
                     watched = [
                         k
@@ -219,6 +223,7 @@ def microbatch_gradients(model, plan, data, microbatches):
                     tape.watch([local[k] for k in watched])
                     for call in stage.calls:
                         call(local, True)
+                        added[s, m] += _integration.added_losses(call.layer)
                 tapes[s, m] = tape
                 ins[s, m] = [(k, local[k]) for k in watched]
                 outs[s, m] = [local[k] for k in stage.outputs]
@@ -228,11 +233,15 @@ def microbatch_gradients(model, plan, data, microbatches):
     # not, decomposable or not, is exactly the unpipelined one), computed on
     # the last stage's device once every micro-batch has come out -- the
     # GPipe schedule: all forwards, then all backwards.
+    _check_added_losses(added, stages, microbatches)
     preds = [[values[m][k] for k in model_outputs] for m in range(microbatches)]
     flat_preds = [p for per_m in preds for p in per_m]
+    flat_added = [t for s in range(len(stages)) for t in added[s, 0]]
     with tf.device(stages[-1].device):
         with tf.GradientTape() as tape:
-            tape.watch(flat_preds)
+            # Keras's loss adds model.losses: the layers' added losses are
+            # those very tensors, computed in the stages' tapes.
+            tape.watch(flat_preds + flat_added)
             y_pred = _pack_outputs(
                 model,
                 [
@@ -243,18 +252,22 @@ def microbatch_gradients(model, plan, data, microbatches):
             loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
             scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
         g = tape.gradient(
-            scaled, [*flat_preds, *variables], unconnected_gradients=tf.UnconnectedGradients.NONE
+            scaled,
+            [*flat_preds, *flat_added, *variables],
+            unconnected_gradients=tf.UnconnectedGradients.NONE,
         )
     k = len(model_outputs)
     upstream = [dict(zip(model_outputs, g[m * k : (m + 1) * k])) for m in range(microbatches)]
-    grads = list(g[len(flat_preds) :])  # e.g. weight regularisation terms
+    added_grads = iter(g[len(flat_preds) : len(flat_preds) + len(flat_added)])
+    added_grads = {s: [next(added_grads) for _ in added[s, 0]] for s in range(len(stages))}
+    grads = list(g[len(flat_preds) + len(flat_added) :])  # e.g. weight regularisation terms
 
     # Backward: stage by stage in reverse, on each stage's device; a tensor
     # read by several later stages gets the sum of their gradients.
     for m in range(microbatches):
         for s in range(len(stages) - 1, -1, -1):
             stage = stages[s]
-            if not stage.outputs:
+            if not stage.outputs and not added[s, m]:
                 continue
             # stage_gradients: the backward ops of a column-split layer's
             # shards go to the shards' devices, the rest to the stage's.
@@ -263,9 +276,14 @@ def microbatch_gradients(model, plan, data, microbatches):
                     upstream[m].get(key) if upstream[m].get(key) is not None else tf.zeros_like(out)
                     for key, out in zip(stage.outputs, outs[s, m])
                 ]
+                # Added losses: only with one micro-batch (_check_added_losses).
+                output_gradients += [
+                    tf.zeros_like(t) if gt is None else gt
+                    for t, gt in zip(added[s, m], added_grads[s])
+                ]
                 head = ins[s, m]
                 g = tapes[s, m].gradient(
-                    outs[s, m],
+                    outs[s, m] + added[s, m],
                     [h for _, h in head] + variables,
                     output_gradients=output_gradients,
                     unconnected_gradients=tf.UnconnectedGradients.NONE,
@@ -275,6 +293,32 @@ def microbatch_gradients(model, plan, data, microbatches):
                 for i, gv in enumerate(g[len(head) :]):
                     grads[i] = _add(grads[i], gv)
     return loss, y_pred, grads
+
+
+def _check_added_losses(added, stages, microbatches):
+    """Refuses losses added by layers (``add_loss``) when the batch is split.
+
+    Such a loss is whatever the layer computes from the batch it sees (a
+    mean, a sum, anything), so no combination of its micro-batch values is
+    the whole batch's in general; with one micro-batch it is exact.
+    """
+    if microbatches == 1 or not any(added.values()):
+        return
+    layers = sorted(
+        {
+            call.layer.name
+            for stage in stages
+            for call in stage.calls
+            if _integration.added_losses(call.layer)
+        }
+    )
+    raise ValueError(
+        f"ModelParallelStrategy(microbatches={microbatches}): layer(s) "
+        f"{', '.join(layers) or '(unnamed)'} add a loss in call() (add_loss or an "
+        "activity_regularizer), computed from the batch the layer sees; split into "
+        "micro-batches it would not be the whole batch's loss. Use microbatches=1 "
+        "(the layers are still placed per stage), or move the term into compute_loss."
+    )
 
 
 def pipelined_train_step(model, plan, microbatches, data):

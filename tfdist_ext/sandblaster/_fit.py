@@ -167,7 +167,10 @@ def keras_objective(model):
     def loss_fn(params, batch):
         x, y, sample_weight = _integration.unpack_x_y_sample_weight(tuple(batch))
         mapping = list(zip(trainable, params)) + [(v, v.value) for v in non_trainable]
-        with keras.StatelessScope(state_mapping=mapping):
+        with (
+            _integration.one_trace_at_a_time(),
+            keras.StatelessScope(state_mapping=mapping, collect_losses=True),
+        ):
             y_pred = _integration.call_model(model, x, training=False)
             loss = _integration.compute_loss(model, x, y, y_pred, sample_weight, training=False)
         # Keras builds the compiled metrics in fit's first (symbolic) step,
