@@ -215,8 +215,31 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ha = added.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
                    verbose=0)
+    # run_eagerly cannot hold on the workers: refused before any round;
+    # jit_compile is not used, and a warning says so (as Keras's own does).
+    with strategy.scope():
+        eager = keras.Sequential(layers())
+        eager.compile(optimizer=keras.optimizers.Adagrad(0.05), run_eagerly=True,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        xla = keras.Sequential(layers())
+        xla.compile(optimizer=keras.optimizers.Adagrad(0.05), jit_compile=True,
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = strategy.stats.summary()["steps"]
+    try:
+        eager.fit(digits_train(), epochs=1, steps_per_epoch=4, verbose=0)
+        eager_refusal = None
+    except ValueError as e:
+        eager_refusal = str(e)
+    eager_steps = strategy.stats.summary()["steps"] - before
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hx = xla.fit(digits_train(), epochs=1, steps_per_epoch=4, verbose=0)
+    jit_warnings = [str(w.message) for w in caught if "jit_compile=True is not used" in str(w.message)]
     report(steps=steps, loss=h.history["loss"], compute_loss_calls=OwnLoss.calls,
-           added_reported=ha.history["loss"][-1], **keras_losses(added, x, y))
+           added_reported=ha.history["loss"][-1], **keras_losses(added, x, y),
+           eager_refusal=eager_refusal, eager_steps=eager_steps, jit_warnings=jit_warnings,
+           xla_batches=len(hx.history["loss"]))
 """,
         timeout=280,
     )
@@ -229,6 +252,9 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # was dropped: Downpour reported the loss without it).
     assert r["keras"] - r["without_added"] > 0.05, r
     assert abs(r["added_reported"] - r["keras"]) < 1e-4 * r["keras"], r
+    assert r["eager_refusal"] and "run_eagerly=True" in r["eager_refusal"], r["eager_refusal"]
+    assert r["eager_steps"] == 0
+    assert len(r["jit_warnings"]) == 1 and r["xla_batches"] == 1, r["jit_warnings"]
 
 
 @pytest.mark.timeout(300)
@@ -260,7 +286,18 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         added.compile(optimizer=LBFGS(),
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     ha = added.fit(x, y, epochs=2, verbose=0)
-    report(refusal=refusal, step_ran=CountingStep.steps, passes=len(strategy.passes),
+    with strategy.scope():
+        eager = keras.Sequential(layers())
+        eager.compile(optimizer=LBFGS(), run_eagerly=True,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    passes = len(strategy.passes)
+    try:
+        eager.fit(x, y, epochs=1, verbose=0)
+        eager_refusal = None
+    except ValueError as e:
+        eager_refusal = str(e)
+    report(eager_refusal=eager_refusal, eager_passes=len(strategy.passes) - passes,
+           refusal=refusal, step_ran=CountingStep.steps, passes=len(strategy.passes),
            loss=h.history["loss"], compute_loss_calls=OwnLoss.calls,
            added_reported=ha.history["loss"][-1], **keras_losses(added, x, y))
 """,
@@ -273,6 +310,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     assert r["step_ran"] == 0
     assert r["compute_loss_calls"] > 0 and r["loss"][-1] < r["loss"][0]
     assert r["keras"] - r["without_added"] > 0.01, r
+    assert r["eager_refusal"] and r["eager_refusal"].startswith("SandblasterStrategy: run_eagerly")
+    assert r["eager_passes"] == 0
     assert abs(r["added_reported"] - r["keras"]) < 1e-4 * r["keras"], r
 
 

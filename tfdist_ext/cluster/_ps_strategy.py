@@ -13,6 +13,7 @@ error, not a hang). Importing this module imports TensorFlow.
 import contextlib
 import gc
 import threading
+import warnings
 import weakref
 
 import keras
@@ -27,6 +28,32 @@ from tfdist_ext.cluster._local import ping
 
 _PSSV2 = _integration.ParameterServerStrategyV2
 _PSSV2Extended = _integration.ParameterServerStrategyV2Extended
+
+
+def check_compiled_for_workers(model, owner):
+    """Refuses ``run_eagerly`` and warns that ``jit_compile`` goes unused, at ``fit`` start.
+
+    Downpour's rounds and Sandblaster's slices run as traced functions on
+    the workers, reading and updating the parameters on the ``ps`` tasks
+    (as TensorFlow's ParameterServerStrategy, which refused ``run_eagerly``
+    too). XLA cannot compile those remote reads and updates: as Keras does
+    for a model that does not support ``jit_compile``, the step runs
+    without it, and says so.
+    """
+    if model.run_eagerly:
+        raise ValueError(
+            f"{owner}: run_eagerly=True cannot hold: the training step runs as a "
+            "tf.function on the workers, with the parameters on the ps tasks. Compile "
+            "with run_eagerly=False (to step through the model eagerly, run it "
+            "without the strategy)."
+        )
+    if model.jit_compile:
+        warnings.warn(
+            f"{owner}: jit_compile=True is not used: the step reads and updates the "
+            "parameters on the ps tasks, which XLA cannot compile. Proceeding with "
+            "jit_compile=False.",
+            stacklevel=5,  # the user's fit (through the trainer hook and the strategy)
+        )
 
 
 def positive_int(owner, name, value, low=1):

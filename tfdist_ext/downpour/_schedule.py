@@ -31,6 +31,7 @@ from tfdist_ext import _integration
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
+from tfdist_ext.cluster._ps_strategy import check_compiled_for_workers
 
 # Steps per scheduled round when the model's ``steps_per_execution`` is 1.
 DISPATCH_STEPS = 50
@@ -39,6 +40,7 @@ DISPATCH_STEPS = 50
 def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     """``model.fit(*args, **kwargs)`` under ``strategy`` (Keras's loop, Downpour's step)."""
     _check_custom_train_step(model, strategy)
+    check_compiled_for_workers(model, type(strategy).__name__)
     _adopt_optimizer(model, strategy)
     train_function = TrainFunction(model, strategy, runtime, _epoch_steps(args, kwargs))
     model.train_function = train_function

@@ -18,12 +18,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.cluster._ps_strategy import check_compiled_for_workers
 from tfdist_ext.sandblaster._lbfgs import LBFGSRun
 from tfdist_ext.sandblaster._optimizer import LBFGS
 
 
 def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
     _refuse_custom_train_step(model)
+    check_compiled_for_workers(model, "SandblasterStrategy")
     arguments = inspect.signature(keras_fit).bind(model, *args, **kwargs).arguments
     arguments.pop("self", None)
     optimizer = model.optimizer
