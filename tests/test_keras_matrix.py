@@ -90,19 +90,36 @@ class Linear(keras.layers.Layer):
 
 
 @keras.saving.register_keras_serializable(package="user_models")
+class ActivityRegularizationLayer(keras.layers.Layer):
+    """The same guide: a layer that adds a loss in call()."""
+
+    def __init__(self, rate=1e-2, **kwargs):
+        super().__init__(**kwargs)
+        self.rate = rate
+
+    def call(self, inputs):
+        self.add_loss(self.rate * keras.ops.mean(inputs))
+        return inputs
+
+    def get_config(self):
+        return {**super().get_config(), "rate": self.rate}
+
+
+@keras.saving.register_keras_serializable(package="user_models")
 class MLP(keras.Model):
-    """The same guide: a model subclass built on the user's layer."""
+    """The same guide: a model subclass built on the user's layers."""
 
     def __init__(self, units=32, num_classes=10, **kwargs):
         super().__init__(**kwargs)
         self.units = units
         self.num_classes = num_classes
         self.hidden = Linear(units)
+        self.regularization = ActivityRegularizationLayer()
         self.classifier = keras.layers.Dense(num_classes)
 
     def call(self, inputs):
         CALLS["model"] += 1
-        return self.classifier(keras.ops.relu(self.hidden(inputs)))
+        return self.classifier(self.regularization(keras.ops.relu(self.hidden(inputs))))
 
     def get_config(self):
         return {**super().get_config(), "units": self.units, "num_classes": self.num_classes}
