@@ -33,6 +33,11 @@ What we rely on, and why no public API does it:
 * ``Trainer._compute_loss``, ``_loss_tracker``, ``_compile_metrics``,
   ``Layer._call_has_training_arg``: what Keras's own ``train_step`` uses to
   compute the loss and metrics exactly as ``fit`` would.
+* ``Layer._flatten_layers`` and ``Layer._get_own_losses``: the losses a
+  layer's call added (``add_loss``, activity regularizers), which the
+  pipelined model-parallel step sends their gradient in the stage that
+  computed them; ``Layer.losses`` mixes in freshly computed weight
+  regularization, with no public way to tell the two apart.
 * For model parallelism: a functional model's graph (``Function``'s
   ``_nodes_by_depth`` and ``_outputs_struct``, ``SymbolicArguments.fill_in``)
   and Keras masks, to cut the graph into pipeline stages; the list of
