@@ -68,6 +68,11 @@ def partition(model, strategy):
     return plan
 
 
+def metric_variables(model):
+    """The model's metric variables, each once: what a round accumulates locally."""
+    return list({id(v): v for v in model.metrics_variables}.values())
+
+
 def keras_local_step(model, optimizer, loss_scale):
     """Keras's own training step on a local copy of the parameters.
 
@@ -82,7 +87,7 @@ def keras_local_step(model, optimizer, loss_scale):
 
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
-    metric_vars = list({id(v): v for v in model.metrics_variables}.values())
+    metric_vars = metric_variables(model)
 
     def step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
@@ -416,7 +421,7 @@ def user_local_step(model, owner, trainable, non_trainable):
     non-trainable weights (BatchNorm statistics) are written where they
     live; any other variable it assigns is refused when the step is traced.
     """
-    metric_vars = list({id(v): v for v in model.metrics_variables}.values())
+    metric_vars = metric_variables(model)
     known = {id(v) for v in metric_vars + non_trainable}
 
     def step(params, metric_values, data):
