@@ -103,8 +103,11 @@ def run_script(source, *, timeout=240, env=None, expect_ok=True):
 
 #: Script code: a model whose layer adds a loss in call() (Keras's
 #: ActivityRegularization; "Making new layers and models via subclassing"
-#: calls add_loss the same way), and plain Keras's loss at a trained model's
-#: weights with and without that term, to compare with what a strategy reported.
+#: calls add_loss the same way), plain Keras's loss at a trained model's
+#: weights with and without that term, and ``fit_added_loss(strategy)``, which
+#: fits that model under a strategy and returns both beside what it reported
+#: (check them with :func:`assert_added_loss_trained`). Needs ``keras``,
+#: ``tf`` and ``datasets`` imported.
 ADDED_LOSS = """
 def regularized(cls=keras.Sequential, reg=True):
     layers = [keras.Input((64,)), keras.layers.Dense(16, activation="relu")]
@@ -120,7 +123,27 @@ def keras_losses(model, x, y):
         plain.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         out[name] = plain.evaluate(x, y, batch_size=len(x), verbose=0)
     return out
+
+def fit_added_loss(strategy, cls=keras.Sequential):
+    # SGD(0) keeps the weights, so every step's loss is the same batch's loss
+    # at the same weights, as plain Keras computes it.
+    x, y = datasets.digits("train", flatten=True, as_numpy=True)
+    x, y = x[:64], y[:64]
+    with strategy.scope():
+        model = regularized(cls)
+        model.compile(optimizer=keras.optimizers.SGD(0.0),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    h = model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
+                  verbose=0)
+    return {"added_reported": h.history["loss"][-1], **keras_losses(model, x, y)}
 """
+
+
+def assert_added_loss_trained(result, margin=0.05):
+    """What a strategy reported for a model with a layer's add_loss is plain
+    Keras's loss, that term (larger than ``margin``) included."""
+    assert result["keras"] - result["without_added"] > margin, result
+    assert abs(result["added_reported"] - result["keras"]) < 1e-4 * result["keras"], result
 
 
 _NOISE = (
