@@ -73,6 +73,20 @@ def metric_variables(model):
     return list({id(v): v for v in model.metrics_variables}.values())
 
 
+def write_back_assigned(scope, variables, start):
+    """Writes to ``variables`` the values a step assigned them in ``scope``.
+
+    ``start`` holds each one's value in the scope before the step; one the
+    step did not assign (a frozen layer's weights, BatchNorm in inference
+    mode) keeps that very tensor and is not written: a write to a ``ps``
+    task costs its bytes on the wire.
+    """
+    for v, old in zip(variables, start):
+        new = scope.get_current_value(v)
+        if new is not old:
+            v.assign(new)
+
+
 def keras_local_step(model, optimizer, loss_scale):
     """Keras's own training step on a local copy of the parameters.
 
@@ -80,8 +94,9 @@ def keras_local_step(model, optimizer, loss_scale):
     gives the gradients with respect to ``params`` (the model's trainable
     weights, mapped to those tensors by ``keras.StatelessScope``) and the
     new values of ``metric_vars``, the model's metric variables, also kept
-    locally. The model's non-trainable weights (BatchNorm statistics) are
-    updated in place. Used by Downpour's round and by elastic averaging's.
+    locally. The non-trainable weights the step assigns (BatchNorm
+    statistics) are written where they live (:func:`write_back_assigned`).
+    Used by Downpour's round and by elastic averaging's.
     """
     from tfdist_ext.model_parallel._placement import stage_gradients
 
@@ -102,9 +117,9 @@ def keras_local_step(model, optimizer, loss_scale):
                 _integration.one_trace_at_a_time(),
                 keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope,
             ):
+                start = [scope.get_current_value(v) for v in non_trainable]
                 y_pred = _integration.call_model(model, x, training=True)
                 loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
-            new_non_trainable = [scope.get_current_value(v) for v in non_trainable]
             scaled = loss_scale.scale(optimizer, loss, scale)
         with stage_gradients():  # backward ops on their stage's device (model_devices)
             grads = tape.gradient(scaled, params)
@@ -113,9 +128,7 @@ def keras_local_step(model, optimizer, loss_scale):
             for g, p in zip(grads, params)
         ]
         grads = loss_scale.unscale(grads, scale)
-        for v, value in zip(non_trainable, new_non_trainable):
-            if value is not None:
-                v.assign(value)
+        write_back_assigned(scope, non_trainable, start)
         batch = tf.shape(tf.nest.flatten(x)[0])[0]
         with keras.StatelessScope(state_mapping=list(zip(metric_vars, metric_values))) as scope:
             _integration.loss_tracker(model).update_state(loss, sample_weight=batch)
@@ -431,10 +444,7 @@ def user_local_step(model, owner, trainable, non_trainable):
                 start = [scope.get_current_value(v) for v in non_trainable]
                 model.train_step(data)
         _check_assigned(model, owner, set(scope.state_mapping) - known)
-        for v, old in zip(non_trainable, start):
-            new = scope.get_current_value(v)
-            if new is not old:
-                v.assign(new)
+        write_back_assigned(scope, non_trainable, start)
         return collector.gradients(), [scope.get_current_value(v) for v in metric_vars]
 
     return step, metric_vars
