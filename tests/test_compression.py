@@ -380,3 +380,27 @@ def test_dgc_min_size_is_momentum_sgd_on_small_tensors():
         wire, state = c.compress(g, state, step)
         u = 0.9 * u + g.numpy()
         np.testing.assert_allclose(c.decompress(wire, (4,)), u, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: C.TopK(0.3),
+        lambda: C.Threshold(1.0),
+        lambda: C.DGC(sparsity=0.7, warmup_epochs=0, momentum_correction=False),
+    ],
+)
+def test_sparse_aggregate_sums_every_senders_entries_where_they_coincide(make):
+    c = make()
+    base = _grad((10, 10), seed=3)
+    # Three senders: two share most of their largest entries, one has none
+    # above Threshold's tau (an empty wire).
+    grads = [base, base + 0.01 * _grad((10, 10), seed=4), 0.001 * _grad((10, 10), seed=5)]
+    wires = [_compress(c, g)[0] for g in grads]
+    expected = sum(c.decompress(w, base.shape).numpy() for w in wires)
+    shared = set(wires[0]["indices"].numpy()) & set(wires[1]["indices"].numpy())
+    assert shared  # the case that needs summing
+    np.testing.assert_allclose(c.aggregate(wires, base.shape), expected, rtol=1e-6)
+    traced = tf.function(lambda ws: c.aggregate(ws, base.shape, tf.float16))(wires)
+    assert traced.dtype == tf.float16 and traced.shape == base.shape
+    np.testing.assert_allclose(traced.numpy(), expected, rtol=1e-3, atol=1e-3)

@@ -26,16 +26,21 @@ def _num(shape):
 
 
 def _sparse_decompress(wire, shape, dtype):
-    n = _num(shape)
-    dense = tf.scatter_nd(tf.reshape(wire["indices"], [-1, 1]), wire["values"], [n])
-    return _restore(dense, shape, dtype)
+    return _sparse_aggregate([wire], shape, dtype)
 
 
 def _sparse_aggregate(wires, shape, dtype):
+    """The dense sum of sparse wires (values + indices): one ``scatter_nd``.
+
+    ``scatter_nd`` adds the values of repeated indices, so every sender's
+    entries are summed where they coincide; on CPU it is several times
+    faster than ``unsorted_segment_sum`` for a sparse wire into a large
+    tensor (10M entries: 3 ms against 19 ms, NOTES.md).
+    """
     n = _num(shape)
     indices = tf.concat([w["indices"] for w in wires], 0)
     values = tf.concat([w["values"] for w in wires], 0)
-    dense = tf.math.unsorted_segment_sum(values, indices, n)
+    dense = tf.scatter_nd(tf.reshape(indices, [-1, 1]), values, [n])
     return _restore(dense, shape, dtype)
 
 
