@@ -141,7 +141,11 @@ def fit_added_loss(strategy, cls=keras.Sequential):
 
 def assert_added_loss_trained(result, margin=0.05):
     """What a strategy reported for a model with a layer's add_loss is plain
-    Keras's loss, that term (larger than ``margin``) included."""
+    Keras's loss, that term (larger than ``margin``) included.
+
+    ``margin`` keeps the comparison telling: the term must be well above the
+    agreement's tolerance (1e-4 of the loss, about 2e-4 here).
+    """
     assert result["keras"] - result["without_added"] > margin, result
     assert abs(result["added_reported"] - result["keras"]) < 1e-4 * result["keras"], result
 
