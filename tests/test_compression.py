@@ -404,3 +404,14 @@ def test_sparse_aggregate_sums_every_senders_entries_where_they_coincide(make):
     traced = tf.function(lambda ws: c.aggregate(ws, base.shape, tf.float16))(wires)
     assert traced.dtype == tf.float16 and traced.shape == base.shape
     np.testing.assert_allclose(traced.numpy(), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_randomk_aggregate_is_the_sum_of_its_senders_decompressions():
+    c = C.RandomK(0.3, seed=1)
+    grads = [_grad((10, 10), seed=s) for s in (6, 7, 8)]
+    wires = [_compress(c, g, step=3)[0] for g in grads]  # same step: same indices
+    expected = sum(c.decompress(w, (10, 10)).numpy() for w in wires)
+    np.testing.assert_array_equal(c.aggregate(wires, (10, 10)), expected)
+    np.testing.assert_array_equal(
+        c.aggregate(wires[:1], (10, 10)), c.decompress(wires[0], (10, 10))
+    )

@@ -78,8 +78,8 @@ def write_back_assigned(scope, variables, start):
 
     ``start`` holds each one's value in the scope before the step; one the
     step did not assign (a frozen layer's weights, BatchNorm in inference
-    mode) keeps that very tensor and is not written: a write to a ``ps``
-    task costs its bytes on the wire.
+    mode) keeps that very tensor and is not written (such a write is a
+    copy on the ``ps`` task that holds the variable, every step).
     """
     for v, old in zip(variables, start):
         new = scope.get_current_value(v)
