@@ -95,7 +95,7 @@ with LocalCluster(num_workers=2, num_ps=2) as cluster:
         for op in graph.get_operations():
             if op.type == "Sqrt" and tuple(op.outputs[0].shape) in pieces:
                 sqrt_devices.add(op.device)
-            if op.type == "DeepCopy" and tuple(op.outputs[0].shape) in pieces:
+            if op.type == "Snapshot" and tuple(op.outputs[0].shape) in pieces:
                 copy_devices.add(op.device)
         for f in graph._functions.values():
             walk(f.graph)

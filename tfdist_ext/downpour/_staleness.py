@@ -217,7 +217,7 @@ def server_side(strategy, trainable, version, custom_step=False):
     return _Plain(trainable)
 
 
-def _read_on(variable):
+def read_on(variable):
     """``variable``'s value, read on its own device.
 
     For a piece of a split variable: without the scope, ``read_value``'s
@@ -250,7 +250,7 @@ class _Plain:
         each on its task.
         """
         return [
-            [_read_on(piece) for piece in v.value.variables]
+            [read_on(piece) for piece in v.value.variables]
             if isinstance(v.value, _integration.ShardedVariable)
             else tf.convert_to_tensor(v.value)
             for v in self.trainable
