@@ -129,6 +129,9 @@ def fit_added_loss(strategy, cls=keras.Sequential):
     # at the same weights, as plain Keras computes it.
     x, y = datasets.digits("train", flatten=True, as_numpy=True)
     x, y = x[:64], y[:64]
+    # Seeded: the term is set by the initial weights alone (0.07-0.18 over
+    # seeds 0-5, 0.115 at 0); unseeded, CI once drew 0.0496, under the margin.
+    keras.utils.set_random_seed(0)
     with strategy.scope():
         model = regularized(cls)
         model.compile(optimizer=keras.optimizers.SGD(0.0),
