@@ -673,8 +673,9 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server, v
             loss_scale.after_accepted()
         # The version advances once the push is applied, on its ps: deciding
         # it on the worker took a crossing each way, the second after this
-        # push's fetch had begun to cross (see pack).
-        with tf.control_dependencies(_reads_after_writes(trainable)):
+        # push's fetch had begun to cross (see pack). After the push's writes:
+        # reads of every piece, which follow them.
+        with tf.control_dependencies(tf.nest.flatten(_staleness.read_pieces(trainable))):
             before = version.assign_add(1) - 1
         return tf.constant(True), before
 
@@ -733,16 +734,6 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server, v
         return accepted, before, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
 
     return push, state_vars
-
-
-def _reads_after_writes(trainable):
-    """A read of every piece of ``trainable`` on its ``ps`` task: ops that run after the push's writes."""
-    pieces = []
-    for v in trainable:
-        value = v.value
-        split = isinstance(value, _integration.ShardedVariable)
-        pieces += list(value.variables) if split else [value]
-    return [_staleness.read_on(piece) for piece in pieces]
 
 
 def home(variable):

@@ -217,7 +217,7 @@ def server_side(strategy, trainable, version, custom_step=False):
     return _Plain(trainable)
 
 
-def read_on(variable):
+def _read_on(variable):
     """``variable``'s value, read on its own device.
 
     For a piece of a split variable: without the scope, ``read_value``'s
@@ -226,6 +226,17 @@ def read_on(variable):
     """
     with tf.device(variable.device):
         return variable.read_value()
+
+
+def read_pieces(trainable):
+    """Each variable of ``trainable`` read on the ``ps``: a split one as the
+    list of its pieces, each read on its own task."""
+    return [
+        [_read_on(piece) for piece in v.value.variables]
+        if isinstance(v.value, _integration.ShardedVariable)
+        else tf.convert_to_tensor(v.value)
+        for v in trainable
+    ]
 
 
 class _Plain:
@@ -249,12 +260,7 @@ class _Plain:
         A variable split across the ps tasks is read as its pieces (a list),
         each on its task.
         """
-        return [
-            [read_on(piece) for piece in v.value.variables]
-            if isinstance(v.value, _integration.ShardedVariable)
-            else tf.convert_to_tensor(v.value)
-            for v in self.trainable
-        ]
+        return read_pieces(self.trainable)
 
     @_graph_code
     def apply(self, optimizer, grads, worker, fetched, slot):
