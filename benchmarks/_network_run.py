@@ -382,7 +382,7 @@ def local_costs(method, hidden):
     """
     if method == "ps":
         return {"apply_seconds": apply_seconds(hidden)}
-    if method == "dense":  # summed inside the all-reduce
+    if method in ("dense", "fp16"):  # summed inside the all-reduce
         return {"aggregate_seconds": None}
     if method == "powersgd":
         return {"aggregate_seconds": None, "factorise_seconds": factorise_seconds(hidden)}

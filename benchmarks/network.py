@@ -98,9 +98,9 @@ def _run(cfg):
 def _messages(method, n=None):
     """Collectives or transfers per worker step (what the per-message overhead multiplies).
 
-    Dense gradients are summed by one batched all-reduce; the gather
-    exchanges (fp16, DGC) send all their wire tensors packed in one buffer,
-    after one small all-gather of its length; PowerSGD sums every P and the
+    Dense and fp16 gradients are summed by one batched all-reduce; DGC's
+    gather exchange sends all its wire tensors packed in one buffer, after
+    one small all-gather of its length; PowerSGD sums every P and the
     vectors in one all-reduce and every Q in a second. Downpour pushes and
     fetches every n steps. A push (or fetch) moves one tensor per ``ps``
     task and one per piece of a split variable (1 to 6 here), but its fixed
@@ -108,9 +108,9 @@ def _messages(method, n=None):
     6.3 ms a step with 1 shard (1 tensor a transfer) and 6.7 ms with 2
     (4 tensors), so a transfer counts once, whatever it carries.
     """
-    if method == "dense":
+    if method in ("dense", "fp16"):
         return 1
-    if method in ("fp16", "dgc", "powersgd"):
+    if method in ("dgc", "powersgd"):
         return 2
     return 2 / n
 

@@ -51,12 +51,13 @@ stays when the link is unlimited (``B`` infinite).
   round of b + 1 transfers; it fitted 33 of the 45 points of the night
   run within 15%, this form 39.
 
-``c`` is the measured compute time per step plus, for the gather exchanges
-(fp16, DGC), the compressor's own time as the strategy clocks it and the
+``c`` is the measured compute time per step plus, for the gather exchange
+(DGC), the compressor's own time as the strategy clocks it and the
 measured aggregation of 2 senders' wires (``a(N)`` is that, measured at 2
-and 8 senders and extrapolated linearly for DGC; a ring reduces as it
-forwards, so fp16 keeps ``a(2)``). Dense gradients are summed by one batched
-all-reduce, whose reduction is part of the ring: no local cost. PowerSGD's
+and 8 senders and extrapolated linearly). Dense and fp16 gradients are
+summed by one batched all-reduce, whose reduction is part of the ring: no
+local cost (until 2026-11-27 fp16 was an all-gather of the halves, modelled
+like DGC's; the ``network`` result of record is newer). PowerSGD's
 clock spans its own all-reduce rounds, so its local work (error feedback, the
 matrix products, the orthogonalisation: ``factorise_seconds``, timed on one
 thread without the rounds) is measured apart and added to ``c``.
@@ -101,7 +102,7 @@ ALPHA_HOP_SENSITIVITY = (5e-6, 20e-6, 50e-6)
 FAMILY = {"dense": "collective", "fp16": "collective", "powersgd": "collective"}
 FAMILY.update(dgc="collective", ps="parameter_server")
 MESSAGE = {"collective": "collective", "parameter_server": "push or fetch"}  # what o is per
-GATHER = ("fp16", "dgc")  # exchanges whose compressor clock excludes the exchange
+GATHER = ("dgc",)  # exchanges whose compressor clock excludes the exchange
 HIDDEN = {"1M": 1000, "10M": 3150}
 REFERENCES = [
     {
@@ -688,9 +689,7 @@ def _notes(params, worst, loo):
         + (", ".join(here) if here else "none")
         + ".",
         "Measured points all have N = 2 workers, where ring all-reduce and all-gather move "
-        "the same bytes; the N-dependence of each formula is the model's, not measured. The "
-        "gather exchange measured for fp16 is predicted as a ring all-reduce, what a cluster "
-        "would run (dense gradients are all-reduced as measured).",
+        "the same bytes; the N-dependence of each formula is the model's, not measured.",
         "Predictions keep each point's compute time per step (2-core machine, batch 64 per "
         "worker), payload and fitted o; PS scenarios use one shard per 4 workers (at least the "
         "measured number) and the measured n_fetch = n_push. o is TensorFlow's gRPC "

@@ -76,6 +76,25 @@ def test_half_precision_halves_the_bytes(cls, dtype, rtol):
     np.testing.assert_allclose(out, g, rtol=rtol, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls,wire_dtype", [(C.FP16, tf.float16), (C.BF16, tf.bfloat16)])
+def test_half_precision_sums_in_its_own_dtype(cls, wire_dtype):
+    """The strategies' exchange: one all-reduce of the 16-bit gradients (Horovod's fp16)."""
+    grads = [_grad((7, 11)), _grad((5,))]
+    summed_dtypes = []
+
+    def all_sum(tensors):  # two senders with the same gradients
+        summed_dtypes.extend(t.dtype for t in tensors)
+        return [t + t for t in tensors]
+
+    totals, states, sent = cls().exchange(grads, [{}, {}], 0, all_sum)
+    assert summed_dtypes == [wire_dtype, wire_dtype] and states == [{}, {}]
+    assert int(sent) == 2 * (77 + 5)
+    for total, g in zip(totals, grads):
+        half = tf.cast(g, wire_dtype)
+        assert total.dtype == tf.float32 and total.shape == g.shape
+        np.testing.assert_array_equal(total, tf.cast(half + half, tf.float32))
+
+
 def test_topk_keeps_exactly_the_largest_entries():
     g = _grad()
     c = C.TopK(0.01)

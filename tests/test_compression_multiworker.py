@@ -116,3 +116,81 @@ def test_two_worker_processes_topk_error_feedback(tmp_path):
 )
 def test_two_worker_processes_other_families(tmp_path, name, kwargs, min_ratio):
     check_workers(run_workers(tmp_path, name, kwargs), min_ratio)
+
+
+SUM_WORKER = textwrap.dedent("""
+    import json, os
+    import tensorflow as tf
+    from tfdist_ext import _integration, compression as C
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    options = tf.distribute.experimental.CommunicationOptions(bytes_per_pack=int(os.environ["PACK"]))
+    strategy = C.CompressedMultiWorkerMirroredStrategy(communication_options=options)
+    big = tf.fill([3_000_000], float(task + 1))       # 12 MB: a subdivided ring
+    small = tf.range(6, dtype=tf.float16) * (task + 1)
+    mid = tf.ones([1000, 300]) * (task + 1)
+
+    @tf.function
+    def total():
+        return strategy.run(lambda: strategy._all_sum([big, small, mid]))
+
+    out = total()
+    reduces = [
+        op.get_attr("max_subdivs_per_device")
+        for op in total.get_concrete_function().graph.get_operations()
+        if op.type == "CollectiveReduceV2"
+    ]
+    print("RESULT " + json.dumps({
+        "big": [float(tf.reduce_min(out[0])), float(tf.reduce_max(out[0]))],
+        "small": out[1].numpy().tolist(), "small_dtype": out[1].dtype.name,
+        "mid": [float(tf.reduce_min(out[2])), float(tf.reduce_max(out[2]))],
+        "mid_shape": out[2].shape.as_list(),
+        "subdivs": reduces,
+    }), flush=True)
+""")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pack", [0, 1_000_000])
+def test_two_worker_sum_is_a_subdivided_ring(tmp_path, pack):
+    """The summable exchange's all-reduce across processes: exact sums, a ring
+    TensorFlow may subdivide, one collective per dtype and pack."""
+    script = tmp_path / "sum.py"
+    script.write_text(SUM_WORKER)
+    cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script)],
+            env=dict(
+                os.environ,
+                PYTHONPATH=REPO,
+                PACK=str(pack),
+                TF_CPP_MIN_LOG_LEVEL="2",
+                TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for i in range(2)
+    ]
+    results = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, f"worker exited {p.returncode}:\n{err[-4000:]}"
+            line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+            results.append(json.loads(line[len("RESULT ") :]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r in results:
+        assert r["big"] == [3.0, 3.0]
+        assert r["mid"] == [3.0, 3.0] and r["mid_shape"] == [1000, 300]
+        assert r["small"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0] and r["small_dtype"] == "float16"
+        # float32: one pack of 13.2 MB, or (packs of >= 1 MB, last gradient first) 1.2 then 12 MB; float16: one.
+        assert len(r["subdivs"]) == (2 if pack == 0 else 3)
+        assert set(r["subdivs"]) == {16}

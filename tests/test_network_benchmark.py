@@ -25,9 +25,10 @@ def test_net_bytes_reads_this_namespace():
 
 
 def test_messages_per_step():
-    assert network._messages("dense") == 1  # one batched all-reduce
-    # fp16, DGC: the packed buffer and its length; PowerSGD: its two rounds.
-    for method in ("fp16", "dgc", "powersgd"):
+    # Dense, fp16: one batched all-reduce.
+    assert network._messages("dense") == network._messages("fp16") == 1
+    # DGC: the packed buffer and its length; PowerSGD: its two rounds.
+    for method in ("dgc", "powersgd"):
         assert network._messages(method) == 2
     # Downpour: a push and a fetch every n steps, each counted once whatever
     # tensors it carries (one per ps task and per split piece), so the model

@@ -220,17 +220,17 @@ def test_missing_local_costs_are_measured(monkeypatch):
             return {"aggregate_seconds": None, "factorise_seconds": 0.03}
         return {"aggregate_seconds": {"2": 0.1, "8": 0.2}}
 
-    fp16 = _run_record("fp16", 1e8, 1e6, 2e6, 1.0)
+    dgc = _run_record("dgc", 1e8, 1e6, 2e4, 1.0)
     ps = _run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=2)
     psgd = _run_record("powersgd", 1e8, 1e6, 4e4, 1.0)
     dense = _run_record("dense", 1e8, 1e6, 4e6, 1.0)
-    for r, field in ((fp16, "aggregate_seconds"), (ps, "apply_seconds")):
+    for r, field in ((dgc, "aggregate_seconds"), (ps, "apply_seconds")):
         r.pop(field)
     psgd.pop("factorise_seconds")
     dense.pop("aggregate_seconds")
-    pts = M.points({"runs": [fp16, ps, psgd, dense]}, measure=measure)
+    pts = M.points({"runs": [dgc, ps, psgd, dense]}, measure=measure)
     # Dense gradients are summed inside the all-reduce: no local cost to measure.
-    assert calls == [("fp16", "1M"), ("ps", "1M"), ("powersgd", "1M")]
+    assert calls == [("dgc", "1M"), ("ps", "1M"), ("powersgd", "1M")]
     assert pts[0]["aggregate"] == (0.1, 0.2) and pts[1]["apply"] == 0.5
     assert pts[2]["c"] == pytest.approx(0.05 + 0.03)
     assert pts[3]["c"] == pts[3]["compute"] and pts[3]["aggregate"] == (0.0, 0.0)

@@ -833,3 +833,92 @@ def claim_collective_keys(strategy):
     their strategies in the same order (the same program) agree on them.
     """
     strategy._collective_key_base = next(_collective_key_bases) * COLLECTIVE_KEY_STRIDE
+
+
+# -- pipelined all-reduce (compressed multi-worker strategy) -----------------
+
+(collective_ops,) = _import("tensorflow.python.ops", "collective_ops")
+(CollectiveAllReduceExtended,) = _import(
+    "tensorflow.python.distribute.collective_all_reduce_strategy", "CollectiveAllReduceExtended"
+)
+(CollectiveAllReduce,) = _import(
+    "tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce"
+)
+(CollectiveReplicaLauncher, group_by_size) = _import(
+    "tensorflow.python.distribute.cross_device_utils", "CollectiveReplicaLauncher", "group_by_size"
+)
+if collective_ops is not None:
+    _check(
+        collective_ops,
+        "all_reduce_v2",
+        params=("communication_hint", "timeout", "ordering_token", "max_subdivs_per_device"),
+    )
+if CollectiveAllReduceExtended is not None:
+    _check_sets(CollectiveAllReduceExtended, "_initialize_multi_worker", "_cross_device_ops")
+if CollectiveAllReduce is not None:
+    _check_sets(CollectiveAllReduce, "__init__", "_launchers")
+if CollectiveReplicaLauncher is not None:
+    for _name in ("_group_key", "_group_size", "_device", "_options"):
+        _check_sets(CollectiveReplicaLauncher, "__init__", _name)
+    _check(CollectiveReplicaLauncher, "_next_instance_key")
+    _check(CollectiveReplicaLauncher, "_get_ordering_token")
+
+#: Upper bound on the ring's subdivisions per device (TensorFlow stops
+#: subdividing once a chunk is at most 4 MiB, so 16 lets a 128 MiB sum over
+#: two workers reach that size).
+MAX_SUBDIVS = 16
+
+
+def pipelined_all_sum(extended, replica, tensors):
+    """Sums ``tensors`` over every replica of a multi-worker collective strategy.
+
+    What ``ReplicaContext.all_reduce(SUM, tensors)`` does under
+    ``MultiWorkerMirroredStrategy`` (one ring all-reduce per pack of
+    ``CommunicationOptions.bytes_per_pack``, ordered with the strategy's other
+    collectives, the same group and instance keys) with one difference: the
+    ring is subdivided. TensorFlow's launcher asks for no subdivision, so a
+    large sum over two workers crosses as two messages each half its size, one
+    after the other, and a message's gRPC copies and parsing wait for all of
+    its bytes. Subdivided into chunks of at most 4 MiB, the chunks pipeline:
+    one is parsed and summed while the next crosses.
+
+    ``replica``: the local replica's index (its launcher's). Tensors of
+    several dtypes are summed in one collective per dtype.
+    """
+    launcher = extended._cross_device_ops._launchers[replica]
+    options = launcher._options
+    by_dtype = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out = [None] * len(tensors)
+    with tf.device(launcher._device):
+        for indices in by_dtype.values():
+            # Last first, as TensorFlow packs: the last layers' gradients exist first.
+            order = indices[::-1]
+            packs = group_by_size([tensors[i] for i in order], options.bytes_per_pack)
+            start = 0
+            for pack in packs:
+                for i, total in zip(order[start:], _subdivided_sum(launcher, options, pack)):
+                    out[i] = total
+                start += len(pack)
+    return out
+
+
+def _subdivided_sum(launcher, options, tensors):
+    flat = tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+    summed = collective_ops.all_reduce_v2(
+        flat,
+        launcher._group_size,
+        launcher._group_key,
+        launcher._next_instance_key(),
+        communication_hint=options.implementation.value,
+        timeout=options.timeout_seconds,
+        ordering_token=launcher._get_ordering_token(),
+        max_subdivs_per_device=MAX_SUBDIVS,
+    )
+    sizes = tf.stack([tf.size(t) for t in tensors])
+    parts = tf.split(summed, sizes, num=len(tensors))
+    return [
+        tf.reshape(part, t.shape if t.shape.is_fully_defined() else tf.shape(t))
+        for part, t in zip(parts, tensors)
+    ]

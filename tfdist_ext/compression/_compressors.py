@@ -125,6 +125,19 @@ class FP16(Compressor):
         flat = _wire.unpack_half(wire["words"], self.wire_dtype, _num(shape))
         return _restore(flat, shape, dtype)
 
+    def exchange(self, grads, states, step, all_sum):
+        """Sums the gradients in one all-reduce in the 16-bit dtype, as Horovod's
+        ``Compression.fp16`` does (each partial sum is rounded to 16 bits).
+
+        A ring all-reduce sends 2(N-1)/N of the half-size buffer per worker,
+        where an all-gather of every sender's sends N-1 of it.
+        Returns ``(summed_grads, states, bytes_sent)``.
+        """
+        sums = all_sum([tf.cast(g, self.wire_dtype) for g in grads])
+        totals = [tf.cast(t, g.dtype) for t, g in zip(sums, grads)]
+        words = sum(_num(g.shape) for g in grads)
+        return totals, states, tf.constant(2 * words, tf.int64)
+
 
 @register
 class BF16(FP16):

@@ -13,10 +13,12 @@ and sums the gathered wires on every replica. All the wire tensors of a step
 travel packed in one buffer, so a step costs one all-gather (TensorFlow adds
 one of the buffer's length), not one per tensor: each collective is a round
 trip, and they run one after another. A compressor whose wire can be summed
-(:class:`NoCompression`, :class:`PowerSGD`) has an ``exchange`` method
-instead, which sums lists of tensors in batched all-reduces (one collective
-per list). Every other reduction (metrics, sync batch-norm, user code) is
-left dense.
+(:class:`NoCompression`, :class:`FP16`, :class:`PowerSGD`) has an
+``exchange`` method instead, which sums lists of tensors in batched
+all-reduces (one collective per list). Across workers that all-reduce is
+TensorFlow's ring, subdivided so that its chunks pipeline
+(``_integration.pipelined_all_sum``). Every other reduction (metrics, sync
+batch-norm, user code) is left dense.
 
 ``model.fit`` under these strategies also tells a compressor that follows
 epochs (DGC's warm-up without ``steps_per_epoch``) which epoch is running:
@@ -335,7 +337,7 @@ class _CompressedExchange:
         dense_bytes = sum(4 * g.shape.num_elements() for g in grads)
 
         if hasattr(compressor, "exchange"):
-            reduced, sent = self._exchange_rounds(ctx, compressor, grads, states, step, counters)
+            reduced, sent = self._exchange_rounds(compressor, grads, states, step, counters)
         else:
             clock = {"epoch": self._fit_epoch()} if compressor.follows_epochs else {}
             reduced, sent = self._exchange_gather(
@@ -398,14 +400,16 @@ class _CompressedExchange:
         ]
         return reduced, sent
 
-    def _exchange_rounds(self, ctx, compressor, grads, states, step, counters):
-        def all_sum(tensors):
-            return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
+    def _all_sum(self, tensors):
+        """Sums a list of tensors over the replicas (a summable compressor's rounds)."""
+        ctx = tf.distribute.get_replica_context()
+        return ctx.all_reduce(tf.distribute.ReduceOp.SUM, list(tensors))
 
+    def _exchange_rounds(self, compressor, grads, states, step, counters):
         t0 = self._start_clock(grads)
         with tf.control_dependencies([t0]):
             reduced, new_states, sent = compressor.exchange(
-                grads, [self._read(s) for s in states], step, all_sum
+                grads, [self._read(s) for s in states], step, self._all_sum
             )
         for state_vars, new_state in zip(states, new_states):
             self._write(state_vars, new_state)
@@ -516,6 +520,13 @@ class CompressedMultiWorkerMirroredStrategy(
         )
         self._setup_compression(compression)
         _reduce_nests(self.extended)
+
+    def _all_sum(self, tensors):
+        # A pipelined ring (see _integration.pipelined_all_sum): a 40 MB sum
+        # over 2 workers at 1 Gbit/s measured 0.41 s a step against 0.48 s.
+        return _integration.pipelined_all_sum(
+            self.extended, self._local_replica_index(), list(tensors)
+        )
 
     def reduce(self, reduce_op, value, axis):
         # Keras 3 reduces scalar per-replica logs with ``axis=0`` under
