@@ -62,13 +62,14 @@ def _predicted(params, row):
     """``scaling_model``'s step for a run's ``row``, in seconds (``None`` without parameters).
 
     The row is a ``network`` row, so ``scaling_model.points`` reads it as it
-    reads the ``network`` benchmark's (its blocks from the round's steps).
+    reads the ``network`` benchmark's (its blocks from the round's steps),
+    its tasks sharing this machine's cores.
     """
     if params is None:
         return None
     from benchmarks import scaling_model
 
-    point = scaling_model.points({"runs": [row]})[0]
+    point = scaling_model.points({"runs": [row], "machine": _harness.machine_info()})[0]
     return scaling_model.predict(point, point["workers"], point["bps"], params)
 
 

@@ -7,12 +7,22 @@ over N workers, each on a full-duplex link of B bits/s, sending m tensors
 
 Every byte costs ``g = beta * 8 / B + gamma`` seconds: its time on the wire
 and its time on the cores (serialisation, copies, the reduction), which
-stays when the link is unlimited (``B`` infinite).
+stays when the link is unlimited (``B`` infinite); a subdivided ring
+overlaps the two.
 
 * ring all-reduce of S bytes per worker (dense float32, fp16, PowerSGD's
-  factors)::
+  factors) in m collectives of S/m each. TensorFlow cuts each of a
+  collective's 2(N-1) steps into the fewest of at most 16 chunks of at most
+  4 MiB (``ring_chunk``: q bytes; below that, one chunk, q = S/(m N)). A
+  step's chunks pipeline: the slower of the wire and the cores sets the
+  pace, and each step waits for its last chunk's other stage. Unsubdivided
+  the two add up, as they did before 2026-11-27, when no ring was
+  subdivided::
 
-      T = c + m o + 2(N-1) m alpha_hop + 2(N-1)/N * S g
+      T = c + m o + 2(N-1) m alpha_hop
+            + 2(N-1)/N * S max(w, gamma) + 2(N-1) m q min(w, gamma)
+
+  with ``w = beta * 8 / B`` the wire's seconds per byte.
 
 * all-gather of s sparse bytes per worker (DGC: values + indices, each worker
   receives everyone's), whose sparse aggregation grows with the senders::
@@ -45,7 +55,16 @@ stays when the link is unlimited (``B`` infinite).
       T = C / (N b n)      (seconds per system step, one worker's batch)
 
   One prefetched worker with b = 1 pays max(Z, w) + w + A per round; many
-  saturate the busiest shard (T tends to (w + A) / (k n)). Before
+  saturate the busiest shard (T tends to (w + A) / (k n)). On the measured
+  points every task (2 workers, k shards, the chief) shares this machine's
+  K cores, so a system step also takes at least the core-seconds they all
+  spend on it over K (since 2026-11-27; ``ps_seconds``' ``cores``; the
+  predictions for clusters, whose tasks have hosts of their own, leave it
+  out)::
+
+      T >= (c + m o + (2 S gamma + A) / n) / K
+
+  Before
   2026-11-26 this was a
   closed queueing network solved by approximate mean value analysis with a
   round of b + 1 transfers; it fitted 33 of the 45 points of the night
@@ -135,14 +154,39 @@ def byte_seconds(bps, beta, gamma):
     return beta * 8 / bps + gamma
 
 
+#: TensorFlow's largest ring chunk when it subdivides, and the subdivisions
+#: the compressed multi-worker strategy allows (``_integration.MAX_SUBDIVS``).
+RING_CHUNK_BYTES = 4 * 2**20
+RING_MAX_SUBDIVS = 16
+
+
+def ring_chunk(buffer, workers):
+    """Bytes of one chunk of a ring all-reduce of ``buffer`` bytes over ``workers``.
+
+    TensorFlow's rule (``ring_alg.cc``): the fewest subdivisions, at most
+    :data:`RING_MAX_SUBDIVS`, that bring ``buffer / (workers * s)`` to
+    :data:`RING_CHUNK_BYTES` or less.
+    """
+    subdivs = 1
+    while buffer / (workers * subdivs) > RING_CHUNK_BYTES and subdivs < RING_MAX_SUBDIVS:
+        subdivs += 1
+    return buffer / (workers * subdivs)
+
+
 def ring_allreduce_seconds(
     c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0
 ):
-    """Seconds per step of a ring all-reduce of ``payload`` bytes per worker."""
+    """Seconds per step of a ring all-reduce of ``payload`` bytes per worker.
+
+    The ``messages`` collectives share the payload equally; within each, a
+    step's chunks pipeline (see the module docstring).
+    """
     n = workers
     hops = 2 * (n - 1)
-    wire = hops / n * payload * byte_seconds(bps, beta, gamma)
-    return c + messages * (o + hops * alpha_hop) + wire
+    wire = beta * 8 / bps
+    chunk = ring_chunk(payload / messages, n) if payload else 0.0
+    paced = hops / n * payload * max(wire, gamma) + messages * hops * chunk * min(wire, gamma)
+    return c + messages * (o + hops * alpha_hop) + paced
 
 
 def allgather_seconds(c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0):
@@ -168,6 +212,7 @@ def ps_seconds(
     apply,
     blocks=1,
     prefetched=0.0,
+    cores=None,
 ):
     """Seconds per system step (one worker's batch) of sharded parameter servers.
 
@@ -185,6 +230,12 @@ def ps_seconds(
     worker's round, and the busiest shard link's time for the N workers'
     rounds (operational analysis's asymptotic bounds; for transfers of
     fixed size at a fixed rate the bottleneck is reached, not approached).
+
+    ``cores``: when every task shares that many cores (the measured points:
+    2 workers, the shards and the chief on this machine), a system step also
+    takes at least the core-seconds all of them spend on it (compute, the
+    messages' overhead, a push's and a fetch's software time, the update)
+    over the cores. None for a cluster whose tasks have hosts of their own.
     """
     wire = params_bytes * byte_seconds(bps, beta, gamma)
     block = every * (c + messages * (o + alpha_hop))
@@ -192,7 +243,11 @@ def ps_seconds(
     # Every round crosses each shard's inbound link `blocks` times (its share
     # of a push, then its update) and its outbound link as often.
     busiest_shard = workers * blocks * (wire + apply) / shards
-    return max(alone, busiest_shard) / (workers * blocks * every)
+    seconds = max(alone, busiest_shard) / (workers * blocks * every)
+    if cores:
+        core_seconds = c + messages * o + (2 * params_bytes * gamma + apply) / every
+        seconds = max(seconds, core_seconds / cores)
+    return seconds
 
 
 def round_alone(block, transfer, push, blocks, prefetched=0.0):
@@ -238,6 +293,7 @@ def predict(point, workers, bps, params, alpha_hop=ALPHA_HOP):
             apply=point["apply"],
             blocks=point["blocks"],
             prefetched=point.get("prefetched", 0.0),
+            cores=point.get("cores"),
         )
     if point["kind"] == "dgc":
         return allgather_seconds(*args)
@@ -287,6 +343,8 @@ def points(network, measure=None):
                 point["blocks"] = _blocks(run)
                 # Runs before 2026-11-26 (no prefetch across rounds) lack it.
                 point["prefetched"] = float(run.get("prefetched_fraction") or 0.0)
+                # All of a run's tasks share this machine's cores.
+                point["cores"] = (network.get("machine") or {}).get("cpu_count")
                 point["apply"] = float(local_cost("apply_seconds"))
             else:
                 point["payload"] = float(run["logical_bytes"])
@@ -432,7 +490,8 @@ def _ps_scaled(p, workers):
     fixed cost stays one transfer's (see ``network._messages``)."""
     per = p.get("workers_per_shard")
     shards = max(p["shards"], workers // per) if per else p["shards"]
-    return dict(p, shards=shards)
+    # A cluster's tasks each have their own host: no shared-cores bound.
+    return dict(p, shards=shards, cores=None)
 
 
 def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):
@@ -695,10 +754,11 @@ def _notes(params, worst, loo):
         "measured number) and the measured n_fetch = n_push. o is TensorFlow's gRPC "
         "collectives on this box; a cluster with a faster collective library has a smaller o "
         "and scales better.",
-        "Downpour on this box runs 2 workers, the ps shards and the chief on 2 cores, so the "
-        "parameter-server family's fitted o and gamma also hold CPU contention that a cluster "
-        "with a core per task does not have (the model divides a shard's gamma among the "
-        "shards, as such a cluster would).",
+        "Downpour on this box runs 2 workers, the ps shards and the chief on 2 cores: on the "
+        "measured points a system step takes at least the core-seconds of all tasks over the "
+        "machine's cores (compute, message overhead, a push's and a fetch's software time, the "
+        "update). The predictions leave that bound out (a cluster's tasks have hosts of their "
+        "own) and divide a shard's gamma among the shards, as such a cluster would.",
         "Efficiency = compute-only step / predicted step (synchronous), or c/N over the system "
         "step (PS); 'relative to 8' divides by the same at 8 workers, as Goyal et al.'s 8 -> "
         "256 figure does. Goyal's figure is ResNet-50 on GPUs, where compute per step is "

@@ -23,6 +23,28 @@ def test_ring_allreduce_by_hand():
     assert M.ring_allreduce_seconds(0, 1e6, 2, 8e6, 0, 1.0, 1, 0.0) == pytest.approx(1.0)
 
 
+def test_ring_chunks_follow_tensorflows_subdivision():
+    mib = 2**20
+    assert M.ring_chunk(4 * mib, 2) == 2 * mib  # small: one chunk per worker
+    assert M.ring_chunk(40e6, 2) == pytest.approx(4e6)  # 5 subdivisions of <= 4 MiB
+    assert M.ring_chunk(1e9, 2) == pytest.approx(1e9 / 32)  # at most 16 subdivisions
+    assert M.ring_chunk(40e6, 16) == pytest.approx(2.5e6)
+
+
+def test_subdivided_ring_overlaps_wire_and_cores():
+    # 40 MB over 2 workers at 1 Gbit/s, gamma 3 ns/B: chunks of 4 MB pipeline, so
+    # 40 MB at the wire's pace plus 2 steps x 4 MB at the cores' (not 40 MB of each).
+    w, gamma = 8e-9, 3e-9
+    seconds = M.ring_allreduce_seconds(0.03, 40e6, 2, 1e9, 0.0, 1.0, 1, 0.0, gamma=gamma)
+    assert seconds == pytest.approx(0.03 + 40e6 * w + 2 * 4e6 * gamma)
+    # Unlimited link: the cores set the pace alone.
+    unlimited = M.ring_allreduce_seconds(0.03, 40e6, 2, math.inf, 0.0, 1.0, 1, 0.0, gamma=gamma)
+    assert unlimited == pytest.approx(0.03 + 40e6 * gamma)
+    # Below 2 x 4 MiB the ring is not subdivided: wire and cores add up.
+    small = M.ring_allreduce_seconds(0.0, 4e6, 2, 1e9, 0.0, 1.0, 1, 0.0, gamma=gamma)
+    assert small == pytest.approx(4e6 * (w + gamma))
+
+
 def test_overhead_o_does_not_grow_with_workers():
     # Growth from 2 to 64 workers is the same whatever o: only alpha_hop and bytes grow.
     def growth(o):
@@ -83,6 +105,30 @@ def test_parameter_server_closed_queue():
     # More shards, shorter steps.
     steps = [M.ps_seconds(0.2, 4e7, 8, 1e8, **kw, shards=k, every=1, apply=0.8) for k in (1, 2, 4)]
     assert steps[0] > steps[1] > steps[2]
+
+
+def test_parameter_server_tasks_sharing_cores():
+    # Unlimited links, 2 workers, 2 shards on 2 shared cores: one system step
+    # is at least all tasks' core-seconds over the cores, whatever the shards.
+    kw = dict(o=1e-3, beta=1.0, messages=0.4, alpha_hop=0.0, gamma=4e-9, every=5, apply=0.01)
+    kw.update(blocks=4, prefetched=1.0)
+    core_seconds = 0.04 + 0.4 * 1e-3 + (2 * 4e7 * 4e-9 + 0.01) / 5
+    for shards in (1, 2):
+        alone = M.ps_seconds(0.04, 4e7, 2, math.inf, **kw, shards=shards)
+        shared = M.ps_seconds(0.04, 4e7, 2, math.inf, **kw, shards=shards, cores=2)
+        assert shared == pytest.approx(max(alone, core_seconds / 2))
+    # Two shards halve the busiest shard's time; on shared cores they cannot.
+    assert M.ps_seconds(0.04, 4e7, 2, math.inf, **kw, shards=2) < core_seconds / 2
+    # A slow link: the wire sets the pace, the cores' bound does not bind.
+    slow = M.ps_seconds(0.04, 4e7, 2, 1e8, **kw, shards=1)
+    assert M.ps_seconds(0.04, 4e7, 2, 1e8, **kw, shards=1, cores=2) == slow
+
+
+def test_measured_downpour_points_share_the_machines_cores_but_predictions_do_not():
+    record = _run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=2)
+    point = M.points({"runs": [record], "machine": {"cpu_count": 2}})[0]
+    assert point["cores"] == 2
+    assert M._ps_scaled(dict(point, workers_per_shard=4), 64)["cores"] is None
 
 
 def test_parameter_server_rounds_hide_pushes_behind_blocks():

@@ -52,6 +52,10 @@ What we rely on, and why no public API does it:
 * ``ParameterServerStrategyV2Extended``: Downpour and Sandblaster place
   variables through a subclass of it, which :func:`use_extended` installs
   in place of the one TensorFlow's ``__init__`` builds.
+* ``CollectiveReplicaLauncher``'s keys, options and ordering token and
+  ``collective_ops.all_reduce_v2``: the compressed multi-worker strategy sums
+  through TensorFlow's ring subdivided into pipelined chunks
+  (:func:`pipelined_all_sum`), which the launcher never asks for.
 * TensorFlow's parameter-server strategy, ``ShardedVariable``, the
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
