@@ -47,21 +47,27 @@ WORKER = textwrap.dedent("""
 
 
 def run_workers(tmp_path, name, kwargs, num_workers=2, timeout=180):
+    return run_script(tmp_path, WORKER, [name, json.dumps(kwargs)], {}, num_workers, timeout)
+
+
+def run_script(tmp_path, source, args, env, num_workers=2, timeout=180):
+    """Runs ``source`` in ``num_workers`` processes of one cluster; their RESULT lines."""
     script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    script.write_text(source)
     cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(num_workers)]}
     procs = []
     for index in range(num_workers):
-        env = dict(
+        task_env = dict(
             os.environ,
+            **env,
             PYTHONPATH=REPO,
             TF_CPP_MIN_LOG_LEVEL="2",
             TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
         )
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(script), name, json.dumps(kwargs)],
-                env=env,
+                [sys.executable, str(script), *args],
+                env=task_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
@@ -155,42 +161,12 @@ SUM_WORKER = textwrap.dedent("""
 def test_two_worker_sum_is_a_subdivided_ring(tmp_path, pack):
     """The summable exchange's all-reduce across processes: exact sums, a ring
     TensorFlow may subdivide, one collective per dtype and pack."""
-    script = tmp_path / "sum.py"
-    script.write_text(SUM_WORKER)
-    cluster = {"worker": [f"127.0.0.1:{free_port()}" for _ in range(2)]}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(script)],
-            env=dict(
-                os.environ,
-                PYTHONPATH=REPO,
-                PACK=str(pack),
-                TF_CPP_MIN_LOG_LEVEL="2",
-                TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}}),
-            ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            stdin=subprocess.DEVNULL,
-        )
-        for i in range(2)
-    ]
-    results = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=180)
-            assert p.returncode == 0, f"worker exited {p.returncode}:\n{err[-4000:]}"
-            line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
-            results.append(json.loads(line[len("RESULT ") :]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    results = run_script(tmp_path, SUM_WORKER, [], {"PACK": str(pack)})
     for r in results:
         assert r["big"] == [3.0, 3.0]
         assert r["mid"] == [3.0, 3.0] and r["mid_shape"] == [1000, 300]
         assert r["small"] == [0.0, 3.0, 6.0, 9.0, 12.0, 15.0] and r["small_dtype"] == "float16"
-        # float32: one pack of 13.2 MB, or (packs of >= 1 MB, last gradient first) 1.2 then 12 MB; float16: one.
+        # float32: one pack of 13.2 MB, or (packs of >= 1 MB, last gradient
+        # first) 1.2 then 12 MB; float16: one.
         assert len(r["subdivs"]) == (2 if pack == 0 else 3)
         assert set(r["subdivs"]) == {16}
