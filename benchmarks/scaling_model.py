@@ -145,13 +145,18 @@ REFERENCES_MISSING = (
 # --- the model -------------------------------------------------------------------
 
 
+def wire_seconds(bps, beta):
+    """Seconds per payload byte on the wire: ``beta`` x 8 / link rate (0 unlimited)."""
+    return beta * 8 / bps
+
+
 def byte_seconds(bps, beta, gamma):
     """Seconds per payload byte: the wire's (``beta`` x 8 / link rate) and the software's.
 
     ``gamma`` is what each byte costs the tasks' cores (serialisation, copies,
     the reduction) when the wire costs nothing; ``bps`` is ``math.inf`` there.
     """
-    return beta * 8 / bps + gamma
+    return wire_seconds(bps, beta) + gamma
 
 
 #: TensorFlow's largest ring chunk when it subdivides, and the subdivisions
@@ -183,7 +188,7 @@ def ring_allreduce_seconds(
     """
     n = workers
     hops = 2 * (n - 1)
-    wire = beta * 8 / bps
+    wire = wire_seconds(bps, beta)
     chunk = ring_chunk(payload / messages, n) if payload else 0.0
     paced = hops / n * payload * max(wire, gamma) + messages * hops * chunk * min(wire, gamma)
     return c + messages * (o + hops * alpha_hop) + paced
@@ -309,6 +314,8 @@ def points(network, measure=None):
     if not isinstance(network, dict) or not isinstance(network.get("runs"), list):
         raise ValueError("scaling_model: the network result has no 'runs' list")
     measure = measure or measured_here
+    # A run's tasks (Downpour's workers, shards and chief) share this machine's cores.
+    cores = (network.get("machine") or {}).get("cpu_count")
     out, seen = [], set()
     for i, run in enumerate(network["runs"]):
 
@@ -343,8 +350,7 @@ def points(network, measure=None):
                 point["blocks"] = _blocks(run)
                 # Runs before 2026-11-26 (no prefetch across rounds) lack it.
                 point["prefetched"] = float(run.get("prefetched_fraction") or 0.0)
-                # All of a run's tasks share this machine's cores.
-                point["cores"] = (network.get("machine") or {}).get("cpu_count")
+                point["cores"] = cores
                 point["apply"] = float(local_cost("apply_seconds"))
             else:
                 point["payload"] = float(run["logical_bytes"])

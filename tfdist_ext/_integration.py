@@ -900,11 +900,9 @@ def pipelined_all_sum(extended, replica, tensors):
             # Last first, as TensorFlow packs: the last layers' gradients exist first.
             order = indices[::-1]
             packs = group_by_size([tensors[i] for i in order], options.bytes_per_pack)
-            start = 0
-            for pack in packs:
-                for i, total in zip(order[start:], _subdivided_sum(launcher, options, pack)):
-                    out[i] = total
-                start += len(pack)
+            totals = [t for pack in packs for t in _subdivided_sum(launcher, options, pack)]
+            for i, total in zip(order, totals):
+                out[i] = total
     return out
 
 

@@ -68,6 +68,16 @@ def select_topk(magnitude, k, seed):
     return tf.gather(candidates, chosen)
 
 
+def _summed_as(dtype, grads, states, all_sum):
+    """``exchange`` of a stateless compressor whose wire is the gradient cast to
+    ``dtype``: one ``all_sum`` of the casts, back in each gradient's dtype.
+    Returns ``(summed_grads, states, bytes_sent)``."""
+    sums = all_sum([tf.cast(g, dtype) for g in grads])
+    totals = [tf.cast(t, g.dtype) for t, g in zip(sums, grads)]
+    words = sum(_num(g.shape) for g in grads)
+    return totals, states, tf.constant(tf.as_dtype(dtype).size * words, tf.int64)
+
+
 def _seed(step, salt):
     return tf.stack([tf.cast(salt, tf.int32), tf.cast(step, tf.int32)])
 
@@ -101,10 +111,7 @@ class NoCompression(Compressor):
 
         Returns ``(summed_grads, states, bytes_sent)``.
         """
-        sums = all_sum([tf.cast(g, tf.float32) for g in grads])
-        words = sum(_num(g.shape) for g in grads)
-        totals = [tf.cast(t, g.dtype) for t, g in zip(sums, grads)]
-        return totals, states, tf.constant(4 * words, tf.int64)
+        return _summed_as(tf.float32, grads, states, all_sum)
 
 
 @register
@@ -133,10 +140,7 @@ class FP16(Compressor):
         where an all-gather of every sender's sends N-1 of it.
         Returns ``(summed_grads, states, bytes_sent)``.
         """
-        sums = all_sum([tf.cast(g, self.wire_dtype) for g in grads])
-        totals = [tf.cast(t, g.dtype) for t, g in zip(sums, grads)]
-        words = sum(_num(g.shape) for g in grads)
-        return totals, states, tf.constant(2 * words, tf.int64)
+        return _summed_as(self.wire_dtype, grads, states, all_sum)
 
 
 @register
