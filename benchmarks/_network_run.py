@@ -349,28 +349,55 @@ def apply_seconds(hidden, repeats=10, seed=0):
     return _median_seconds(applied, repeats)
 
 
-def factorise_seconds(hidden, repeats=10, seed=0):
-    """Median seconds of PowerSGD's local work on every gradient of :func:`model`, one thread.
+def local_exchange(method, hidden, seed=0):
+    """``method``'s ``exchange`` on every gradient of :func:`model`, an identity in place of
+    its all-reduce: a function returning the sums and the new states, flat.
 
-    ``PowerSGD.exchange`` with an identity in place of its two all-reduce
-    rounds: the error feedback, the matrix products, the orthogonalisation
-    and the reconstruction each worker computes. The strategy's clock for
-    PowerSGD spans its rounds, so this is measured on its own.
+    The states are returned too: unreturned, their work (PowerSGD's
+    residual) would be pruned from the traced function.
     """
     import tensorflow as tf
 
     from tfdist_ext import compression as C
 
-    compressor, _ = _compressor(C, "powersgd", 100)
+    compressor, _ = _compressor(C, method, 100)
     tf.random.set_seed(seed)
     grads = [tf.random.normal(shape) for shape in shapes(hidden)]
     states = [compressor.init(shape, tf.float32) for shape in shapes(hidden)]
 
     @tf.function
-    def factorise():
-        return compressor.exchange(grads, states, 1, lambda tensors: tensors)[0]
+    def exchange():
+        totals, new_states, _ = compressor.exchange(grads, states, 1, lambda tensors: tensors)
+        return tf.nest.flatten((totals, new_states))
 
-    return _median_seconds(lambda: [t.numpy() for t in factorise()], repeats)
+    return exchange
+
+
+def _exchange_seconds(method, hidden, repeats=10, seed=0):
+    """Median seconds of :func:`local_exchange` on one call after a first, untimed one."""
+    exchange = local_exchange(method, hidden, seed)
+    return _median_seconds(lambda: [t.numpy() for t in exchange()], repeats)
+
+
+def factorise_seconds(hidden, repeats=10, seed=0):
+    """Median seconds of PowerSGD's local work on every gradient of :func:`model`, one thread.
+
+    ``PowerSGD.exchange`` without its two all-reduce rounds: the error
+    feedback, the matrix products, the orthogonalisation and the
+    reconstruction each worker computes. The strategy's clock for PowerSGD
+    spans its rounds, so this is measured on its own.
+    """
+    return _exchange_seconds("powersgd", hidden, repeats, seed)
+
+
+def cast_seconds(hidden, repeats=10, seed=0):
+    """Median seconds of FP16's local work on every gradient of :func:`model`, one thread.
+
+    ``FP16.exchange`` without its all-reduce: every gradient cast to half
+    precision and the sums cast back, which the ring's per-byte cost does not
+    include.
+    """
+    return _exchange_seconds("fp16", hidden, repeats, seed)
 
 
 def local_costs(method, hidden):
@@ -378,12 +405,15 @@ def local_costs(method, hidden):
 
     ``aggregate_seconds``: {senders: seconds} of :func:`aggregate_seconds` at 2
     and 8 senders (gather exchanges); ``apply_seconds``: :func:`apply_seconds`
-    (Downpour); ``factorise_seconds``: :func:`factorise_seconds` (PowerSGD).
+    (Downpour); ``factorise_seconds``: :func:`factorise_seconds` (PowerSGD);
+    ``cast_seconds``: :func:`cast_seconds` (fp16).
     """
     if method == "ps":
         return {"apply_seconds": apply_seconds(hidden)}
-    if method in ("dense", "fp16"):  # summed inside the all-reduce
+    if method == "dense":  # summed inside the all-reduce
         return {"aggregate_seconds": None}
+    if method == "fp16":
+        return {"aggregate_seconds": None, "cast_seconds": cast_seconds(hidden)}
     if method == "powersgd":
         return {"aggregate_seconds": None, "factorise_seconds": factorise_seconds(hidden)}
     return {"aggregate_seconds": {str(k): aggregate_seconds(method, hidden, k) for k in (2, 8)}}

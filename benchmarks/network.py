@@ -155,6 +155,7 @@ def _row(link, model, cfg, out, compute):
         "aggregate_seconds": out.get("aggregate_seconds"),
         "apply_seconds": out.get("apply_seconds"),
         "factorise_seconds": out.get("factorise_seconds"),
+        "cast_seconds": out.get("cast_seconds"),
         # Downpour: the share of rounds that began from prefetched parameters.
         "prefetched_fraction": out.get("prefetched_fraction"),
         "busiest_link_bytes": busiest,

@@ -70,13 +70,26 @@ overlaps the two.
   round of b + 1 transfers; it fitted 33 of the 45 points of the night
   run within 15%, this form 39.
 
+The measured links are token buckets (``tc tbf``, ``LocalCluster``'s
+links), which let a transfer that finds the bucket full cross its first
+``burst`` bytes (``tbf_burst_bytes``: 50 kB at 100 Mbit/s, 500 kB at
+1 Gbit/s) at once instead of at the rate. The collective exchanges count it
+(:func:`burst_saving`): a DGC or PowerSGD step's few tens of kB cross a
+100 Mbit/s bucket almost free, and each 2 MB hop of the 1M model's
+unsubdivided ring at 1 Gbit/s saves 4 ms (since 2026-11-27 evening; before,
+those points were 13-19% off). The parameter servers' rounds keep a busy
+link's bucket empty; its fill and drain could save at most two bursts a
+round, under 2% of every measured Downpour point, and are left out. The
+predictions are for real links: no burst.
+
 ``c`` is the measured compute time per step plus, for the gather exchange
 (DGC), the compressor's own time as the strategy clocks it and the
 measured aggregation of 2 senders' wires (``a(N)`` is that, measured at 2
 and 8 senders and extrapolated linearly). Dense and fp16 gradients are
-summed by one batched all-reduce, whose reduction is part of the ring: no
-local cost (until 2026-11-27 fp16 was an all-gather of the halves, modelled
-like DGC's; the ``network`` result of record is newer). PowerSGD's
+summed by one batched all-reduce, whose reduction is part of the ring;
+fp16's casts to half precision and back are not (``cast_seconds``, timed on
+one thread, added to ``c``; until 2026-11-27 fp16 was an all-gather of the
+halves, modelled like DGC's; the ``network`` result of record is newer). PowerSGD's
 clock spans its own all-reduce rounds, so its local work (error feedback, the
 matrix products, the orthogonalisation: ``factorise_seconds``, timed on one
 thread without the rounds) is measured apart and added to ``c``.
@@ -85,7 +98,8 @@ Which parameters are what:
 
 * measured (network run, or timed here on one thread when the result predates
   the field): ``c``, the compressor's time, ``a(2)``, ``a(8)``, ``A``,
-  PowerSGD's local work, S, m, b;
+  PowerSGD's local work, fp16's casts, S, m, b;
+* set: each measured link's token bucket (``burst``);
 * fitted per family (collective, parameter server), by least squares on the
   relative error of every measured point: ``o``, the fixed software overhead
   per message (collective launch, gRPC framing, Python; it does not grow with
@@ -112,6 +126,7 @@ import math
 import os
 
 from benchmarks import _harness
+from tfdist_ext.cluster._netns import tbf_burst_bytes
 
 WORKERS = (8, 16, 32, 64, 128, 256)
 LINKS = {"1gbit": 1e9, "10gbit": 10e9, "100gbit": 100e9}
@@ -179,26 +194,62 @@ def ring_chunk(buffer, workers):
 
 
 def ring_allreduce_seconds(
-    c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0
+    c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0, burst=0.0
 ):
     """Seconds per step of a ring all-reduce of ``payload`` bytes per worker.
 
     The ``messages`` collectives share the payload equally; within each, a
-    step's chunks pipeline (see the module docstring).
+    step's chunks pipeline (see the module docstring). ``burst``: the bytes
+    of the link's token bucket (0 for a real link), which a hop crosses at
+    once when it finds the bucket full (:func:`burst_saving`).
     """
     n = workers
     hops = 2 * (n - 1)
     wire = wire_seconds(bps, beta)
-    chunk = ring_chunk(payload / messages, n) if payload else 0.0
-    paced = hops / n * payload * max(wire, gamma) + messages * hops * chunk * min(wire, gamma)
-    return c + messages * (o + hops * alpha_hop) + paced
+    share = payload / messages if payload else 0.0
+    chunk = ring_chunk(share, n) if payload else 0.0
+    exposed = chunk * min(wire, gamma)  # a step's last chunk, in the other stage
+    paced = hops / n * payload * max(wire, gamma) + messages * hops * exposed
+    saved = messages * burst_saving(share / n, hops, chunk, wire, gamma, exposed, burst)
+    return c + messages * (o + hops * alpha_hop) + paced - saved
 
 
-def allgather_seconds(c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0):
-    """Seconds per step of an all-gather of ``payload`` (sparse) bytes per worker."""
+def burst_saving(hop_bytes, hops, chunk, wire, gamma, gap, burst):
+    """Wire seconds one collective saves on a token-bucket link (``burst`` bytes).
+
+    A ``tc tbf`` bucket lets the bytes it holds through at once and refills
+    at the link rate while the link idles. Every collective starts after at
+    least ``o`` of software overhead (5-8 ms fitted, enough to refill the
+    bucket at either measured rate), so its first hop finds it full. In a
+    subdivided ring the hops then pipeline with no idle link, and the
+    burst's bytes take the cores' pace instead of the wire's. In an
+    unsubdivided one each later hop finds what its predecessor left plus
+    what refilled during ``gap`` (that hop's last stage on the cores).
+    """
+    if not burst or not wire:
+        return 0.0
+    if chunk < hop_bytes:  # subdivided: one pipelined stream
+        return min(burst, hop_bytes) * max(0.0, wire - gamma)
+    tokens, saved = burst, 0.0
+    for _ in range(hops):
+        used = min(tokens, hop_bytes)
+        saved += used
+        tokens = min(burst, tokens - used + gap / wire)
+    return wire * saved
+
+
+def allgather_seconds(
+    c, payload, workers, bps, o, beta, messages, alpha_hop=ALPHA_HOP, gamma=0.0, burst=0.0
+):
+    """Seconds per step of an all-gather of ``payload`` (sparse) bytes per worker.
+
+    ``burst``: as in :func:`ring_allreduce_seconds`; a step's gather starts
+    with the bucket full, so its first ``burst`` bytes cross at once.
+    """
     n = workers
     wire = (n - 1) * payload * byte_seconds(bps, beta, gamma)
-    return c + messages * (o + (n - 1) * alpha_hop) + wire
+    saved = min(burst, (n - 1) * payload) * wire_seconds(bps, beta)
+    return c + messages * (o + (n - 1) * alpha_hop) + wire - saved
 
 
 def ps_seconds(
@@ -290,7 +341,7 @@ def predict(point, workers, bps, params, alpha_hop=ALPHA_HOP):
     o, beta, gamma = params[FAMILY[point["kind"]]]
     c = point["c"] + aggregate_at(point, workers)
     args = (c, point["payload"], workers, bps, o, beta, point["messages"], alpha_hop, gamma)
-    if point["kind"] == "ps":
+    if point["kind"] == "ps":  # no burst: see the module docstring
         return ps_seconds(
             *args,
             shards=point["shards"],
@@ -300,9 +351,10 @@ def predict(point, workers, bps, params, alpha_hop=ALPHA_HOP):
             prefetched=point.get("prefetched", 0.0),
             cores=point.get("cores"),
         )
+    burst = point.get("burst", 0.0)
     if point["kind"] == "dgc":
-        return allgather_seconds(*args)
-    return ring_allreduce_seconds(*args)
+        return allgather_seconds(*args, burst=burst)
+    return ring_allreduce_seconds(*args, burst=burst)
 
 
 def points(network, measure=None):
@@ -341,6 +393,8 @@ def points(network, measure=None):
                 "measured": float(run["step_seconds"]),
                 "examples_per_step": int(run["examples_per_step"]),
                 "aggregate": (0.0, 0.0),
+                # The emulated link's token bucket (LocalCluster's rule).
+                "burst": float(tbf_burst_bytes(run["link_bps"])) if run["link_bps"] else 0.0,
             }
             if kind == "ps":
                 point["payload"] = 4.0 * run["params"]
@@ -356,6 +410,8 @@ def points(network, measure=None):
                 point["payload"] = float(run["logical_bytes"])
             if kind == "powersgd":
                 point["c"] += float(local_cost("factorise_seconds"))
+            if kind == "fp16":
+                point["c"] += float(local_cost("cast_seconds"))
             if kind in GATHER:
                 point["c"] += float(run.get("compress_seconds") or 0.0)
                 agg = local_cost("aggregate_seconds")
@@ -372,7 +428,7 @@ def points(network, measure=None):
         if unlimited is not None and key not in seen:
             # The configuration once more on links without a rate limit.
             seen.add(key)
-            out.append(dict(point, link="none", bps=math.inf, measured=float(unlimited)))
+            out.append(dict(point, link="none", bps=math.inf, burst=0.0, measured=float(unlimited)))
     if not out:
         raise ValueError("scaling_model: the network result has no runs")
     return out
@@ -500,6 +556,11 @@ def _ps_scaled(p, workers):
     return dict(p, shards=shards, cores=None)
 
 
+def _real_link(p):
+    """The scenario ``p`` on a real link: a NIC has no token bucket's burst."""
+    return dict(p, burst=0.0)
+
+
 def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):
     rows = []
     for p in _scenarios(pts):
@@ -513,7 +574,7 @@ def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):
 def _prediction(p, n, link, bps, params, alpha_hop):
     def at(workers):
         q = _ps_scaled(p, workers) if p["kind"] == "ps" else p
-        seconds = predict(q, workers, bps, params, alpha_hop)
+        seconds = predict(_real_link(q), workers, bps, params, alpha_hop)
         # Ideal: compute only (PS: the workers compute in parallel, c/N per system step).
         ideal = p["compute"] / workers if p["kind"] == "ps" else p["compute"]
         return seconds, ideal / seconds
@@ -741,9 +802,12 @@ def _notes(params, worst, loo):
         "on links without a rate limit (link 'none', its no-limit step), where only compute, "
         "o and gamma remain.",
         "Measured: compute per step; the compressor's own time (strategy clock, gather "
-        "exchanges); the aggregation of 2 and 8 senders' wires, PowerSGD's local work and one "
-        "Adagrad update of all parameters (benchmarks._network_run.local_costs, one thread); "
-        "bytes and messages per step; Downpour's blocks per round (steps_per_execution / n). "
+        "exchanges); the aggregation of 2 and 8 senders' wires, PowerSGD's local work, fp16's "
+        "casts and one Adagrad update of all parameters (benchmarks._network_run.local_costs, "
+        "one thread); bytes and messages per step; Downpour's blocks per round "
+        "(steps_per_execution / n). Set: each measured link's token-bucket burst (LocalCluster's "
+        "tbf: 50 kB at 100 Mbit/s, 500 kB at 1 Gbit/s), which a collective's transfer that "
+        "finds the bucket full crosses at once; predictions are for real links, without it. "
         "Fitted per family: o (software overhead per message, fixed in N), beta (wire time "
         "over payload time) and gamma (software time per payload byte, which the cores spend "
         "whatever the link: at 1 Gbit/s it is a large part of a dense step). "

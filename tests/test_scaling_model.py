@@ -45,6 +45,50 @@ def test_subdivided_ring_overlaps_wire_and_cores():
     assert small == pytest.approx(4e6 * (w + gamma))
 
 
+def test_token_bucket_burst_crosses_at_once():
+    w, gamma = 8e-9, 3e-9
+    # 4 MB over 2 workers at 1 Gbit/s is not subdivided: each 2 MB hop finds a
+    # full 500 kB bucket (the cores' 6 ms between the hops refill 750 kB).
+    plain = M.ring_allreduce_seconds(0.0, 4e6, 2, 1e9, 0.0, 1.0, 1, 0.0, gamma=gamma)
+    bucket = M.ring_allreduce_seconds(0.0, 4e6, 2, 1e9, 0.0, 1.0, 1, 0.0, gamma, burst=5e5)
+    assert plain - bucket == pytest.approx(2 * 5e5 * w)
+    # Hops smaller than a 50 kB bucket at 100 Mbit/s: the wire costs nothing.
+    small = M.ring_allreduce_seconds(0.01, 4e4, 2, 1e8, 2e-3, 1.0, 1, 0.0, burst=5e4)
+    assert small == pytest.approx(0.01 + 2e-3)
+    # What a hop leaves in the bucket serves the next: 40 kB hops, then 10 kB left.
+    rest = M.ring_allreduce_seconds(0.0, 8e4, 2, 1e8, 0.0, 1.0, 1, 0.0, burst=5e4)
+    assert rest == pytest.approx((8e4 - 5e4) * 8e-8)
+    # Each collective starts with the bucket full (o refills it).
+    two = M.ring_allreduce_seconds(0.0, 8e4, 2, 1e8, 0.0, 1.0, 2, 0.0, burst=5e4)
+    assert two == pytest.approx(0.0)
+    # A subdivided ring streams: the burst's bytes go at the cores' pace.
+    big = M.ring_allreduce_seconds(0.0, 40e6, 2, 1e9, 0.0, 1.0, 1, 0.0, gamma, burst=5e5)
+    plain = M.ring_allreduce_seconds(0.0, 40e6, 2, 1e9, 0.0, 1.0, 1, 0.0, gamma=gamma)
+    assert plain - big == pytest.approx(5e5 * (w - gamma))
+    # An all-gather's step starts with the bucket full; an unlimited link saves nothing.
+    assert M.allgather_seconds(0.0, 1e4, 2, 1e8, 0.0, 1.0, 2, 0.0, burst=5e4) == 0.0
+    assert M.allgather_seconds(0.0, 6e4, 2, 1e8, 0.0, 1.0, 2, 0.0, burst=5e4) == pytest.approx(
+        1e4 * 8e-8
+    )
+    assert M.ring_allreduce_seconds(0.0, 4e6, 2, math.inf, 0, 1, 1, 0, gamma, burst=5e5) == (
+        pytest.approx(4e6 * gamma)
+    )
+
+
+def test_measured_links_have_localclusters_bucket_but_predictions_do_not():
+    from tfdist_ext.cluster._netns import tbf_burst_bytes
+
+    assert tbf_burst_bytes(100e6) == 50_000 and tbf_burst_bytes(1e9) == 500_000
+    assert tbf_burst_bytes(1e6) == 32 * 1024
+    network = {"runs": [dict(_run_record("dgc", 1e8, 1e6, 1e4, 1.0), unlimited_step_seconds=0.5)]}
+    measured, unlimited = M.points(network)
+    assert measured["burst"] == 50_000 and unlimited["burst"] == 0.0
+    params = {"collective": (1e-3, 1.0, 1e-9)}
+    row = M._prediction(measured, 8, "1gbit", 1e9, params, 2e-5)
+    assert row["step_seconds"] == pytest.approx(M.predict(dict(measured, burst=0), 8, 1e9, params))
+    assert row["step_seconds"] > M.predict(measured, 8, 1e9, params)
+
+
 def test_overhead_o_does_not_grow_with_workers():
     # Growth from 2 to 64 workers is the same whatever o: only alpha_hop and bytes grow.
     def growth(o):
@@ -214,6 +258,7 @@ def _run_record(kind, link_bps, params, logical, step, n=None, ps=None, compute=
         "aggregate_seconds": None if kind in ("ps", "powersgd") else {"2": 1e-3, "8": 3e-3},
         "apply_seconds": 0.01 if kind == "ps" else None,
         "factorise_seconds": 0.004 if kind == "powersgd" else None,
+        "cast_seconds": 0.001 if kind == "fp16" else None,
         "messages": 6 if kind != "ps" else 2 / n,
         "step_seconds": step,
         "examples_per_step": 64 if kind == "ps" else 128,
@@ -253,6 +298,9 @@ def test_points_add_measured_compressor_and_aggregation_time():
     # work measured apart count, not the clock.
     psgd = M.points({"runs": [_run_record("powersgd", 1e8, 1e6, 1e4, 1.0)]})[0]
     assert psgd["c"] == pytest.approx(0.05 + 0.004)
+    # fp16's casts to half precision and back are outside the ring's bytes.
+    fp16 = M.points({"runs": [_run_record("fp16", 1e8, 1e6, 2e6, 1.0)]})[0]
+    assert fp16["c"] == pytest.approx(0.05 + 0.001)
 
 
 def test_missing_local_costs_are_measured(monkeypatch):
@@ -264,22 +312,27 @@ def test_missing_local_costs_are_measured(monkeypatch):
             return {"apply_seconds": 0.5}
         if kind == "powersgd":
             return {"aggregate_seconds": None, "factorise_seconds": 0.03}
+        if kind == "fp16":
+            return {"aggregate_seconds": None, "cast_seconds": 0.02}
         return {"aggregate_seconds": {"2": 0.1, "8": 0.2}}
 
     dgc = _run_record("dgc", 1e8, 1e6, 2e4, 1.0)
     ps = _run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=2)
     psgd = _run_record("powersgd", 1e8, 1e6, 4e4, 1.0)
     dense = _run_record("dense", 1e8, 1e6, 4e6, 1.0)
+    fp16 = _run_record("fp16", 1e8, 1e6, 2e6, 1.0)
     for r, field in ((dgc, "aggregate_seconds"), (ps, "apply_seconds")):
         r.pop(field)
     psgd.pop("factorise_seconds")
     dense.pop("aggregate_seconds")
-    pts = M.points({"runs": [dgc, ps, psgd, dense]}, measure=measure)
+    fp16.pop("cast_seconds")
+    pts = M.points({"runs": [dgc, ps, psgd, dense, fp16]}, measure=measure)
     # Dense gradients are summed inside the all-reduce: no local cost to measure.
-    assert calls == [("dgc", "1M"), ("ps", "1M"), ("powersgd", "1M")]
+    assert calls == [("dgc", "1M"), ("ps", "1M"), ("powersgd", "1M"), ("fp16", "1M")]
     assert pts[0]["aggregate"] == (0.1, 0.2) and pts[1]["apply"] == 0.5
     assert pts[2]["c"] == pytest.approx(0.05 + 0.03)
     assert pts[3]["c"] == pts[3]["compute"] and pts[3]["aggregate"] == (0.0, 0.0)
+    assert pts[4]["c"] == pytest.approx(0.05 + 0.02)
 
 
 def test_fit_recovers_known_parameters():
@@ -341,4 +394,26 @@ def test_local_costs_are_measured_for_each_kind():
     assert set(dgc) == {"2", "8"} and all(v > 0 for v in dgc.values())
     psgd = _network_run.local_costs("powersgd", 32)
     assert psgd["aggregate_seconds"] is None and psgd["factorise_seconds"] > 0
+    fp16 = _network_run.local_costs("fp16", 32)
+    assert fp16["aggregate_seconds"] is None and fp16["cast_seconds"] > 0
     assert _network_run.local_costs("ps", 32)["apply_seconds"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_local_exchange_times_the_states_work_too():
+    import numpy as np
+
+    from benchmarks import _network_run
+
+    # PowerSGD at hidden 32: 6 sums, 6 residuals and the Q of its 3 matrices;
+    # the residual of the (32, 32) gradient is really computed (not pruned).
+    outputs = _network_run.local_exchange("powersgd", 32)()
+    assert len(outputs) == 15
+    gradients = [tuple(s) for s in _network_run.shapes(32)]
+    assert [tuple(t.shape) for t in outputs[:6]] == gradients
+    residuals = [t for t in outputs[6:] if tuple(t.shape) in gradients]
+    assert sorted(tuple(t.shape) for t in residuals) == sorted(gradients)
+    square = next(t for t in residuals if tuple(t.shape) == (32, 32))
+    assert np.abs(square.numpy()).max() > 0
+    # fp16: the sums cast there and back, no state.
+    assert len(_network_run.local_exchange("fp16", 32)()) == 6

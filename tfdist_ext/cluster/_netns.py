@@ -150,9 +150,17 @@ def run_in(namespace_fd, tool, commands, timeout=COMMAND_TIMEOUT):
     _in_thread(run)
 
 
+def tbf_burst_bytes(bits_per_second):
+    """Bytes a link's token bucket holds: at least 32 KiB and 4 ms of traffic at the rate.
+
+    A transfer that finds the bucket full crosses this many bytes at once,
+    not at the rate (``benchmarks.scaling_model`` counts it).
+    """
+    return max(32 * 1024, int(bits_per_second) // 8 // 250)
+
+
 def _rate_limit(device, bits_per_second):
-    # The bucket holds at least 32 KiB and 4 ms of traffic at the rate.
-    burst = max(32 * 1024, bits_per_second // 8 // 250)
+    burst = tbf_burst_bytes(bits_per_second)
     return f"qdisc add dev {device} root tbf rate {bits_per_second}bit burst {burst} latency 50ms"
 
 
