@@ -218,9 +218,10 @@ def burst_saving(hop_bytes, hops, chunk, wire, gamma, gap, burst):
     """Wire seconds one collective saves on a token-bucket link (``burst`` bytes).
 
     A ``tc tbf`` bucket lets the bytes it holds through at once and refills
-    at the link rate while the link idles. Every collective starts after at
-    least ``o`` of software overhead (5-8 ms fitted, enough to refill the
-    bucket at either measured rate), so its first hop finds it full. In a
+    at the link rate while the link idles: 4 ms for LocalCluster's bucket at
+    either measured rate. Every collective follows the step's compute or
+    the local work between two collectives, plus ``o`` (3-8 ms fitted), so
+    its first hop finds the bucket full. In a
     subdivided ring the hops then pipeline with no idle link, and the
     burst's bytes take the cores' pace instead of the wire's. In an
     unsubdivided one each later hop finds what its predecessor left plus
