@@ -207,7 +207,7 @@ def ring_allreduce_seconds(
     hops = 2 * (n - 1)
     wire = wire_seconds(bps, beta)
     share = payload / messages if payload else 0.0
-    chunk = ring_chunk(share, n) if payload else 0.0
+    chunk = ring_chunk(share, n)
     exposed = chunk * min(wire, gamma)  # a step's last chunk, in the other stage
     paced = hops / n * payload * max(wire, gamma) + messages * hops * exposed
     saved = messages * burst_saving(share / n, hops, chunk, wire, gamma, exposed, burst)
@@ -547,19 +547,17 @@ def _scenarios(pts):
     return list(out.values())
 
 
-def _ps_scaled(p, workers):
-    """The PS scenario at ``workers``: its shards (one per ``workers_per_shard`` workers, at
-    least the measured ones). A push or fetch reaches every shard at once; its
-    fixed cost stays one transfer's (see ``network._messages``)."""
-    per = p.get("workers_per_shard")
-    shards = max(p["shards"], workers // per) if per else p["shards"]
-    # A cluster's tasks each have their own host: no shared-cores bound.
-    return dict(p, shards=shards, cores=None)
-
-
-def _real_link(p):
-    """The scenario ``p`` on a real link: a NIC has no token bucket's burst."""
-    return dict(p, burst=0.0)
+def _on_cluster(p, workers):
+    """The measured scenario ``p`` on a cluster of ``workers``: every task on a host of
+    its own (no shared-cores bound) and real links (no token bucket's burst). Downpour
+    gets its shards (one per ``workers_per_shard`` workers, at least the measured
+    ones); a push or fetch reaches every shard at once, so its fixed cost stays one
+    transfer's (see ``network._messages``)."""
+    out = dict(p, cores=None, burst=0.0)
+    if p["kind"] == "ps":
+        per = p.get("workers_per_shard")
+        out["shards"] = max(p["shards"], workers // per) if per else p["shards"]
+    return out
 
 
 def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):
@@ -574,8 +572,7 @@ def predictions(pts, params, alpha_hops=ALPHA_HOP_SENSITIVITY):
 
 def _prediction(p, n, link, bps, params, alpha_hop):
     def at(workers):
-        q = _ps_scaled(p, workers) if p["kind"] == "ps" else p
-        seconds = predict(_real_link(q), workers, bps, params, alpha_hop)
+        seconds = predict(_on_cluster(p, workers), workers, bps, params, alpha_hop)
         # Ideal: compute only (PS: the workers compute in parallel, c/N per system step).
         ideal = p["compute"] / workers if p["kind"] == "ps" else p["compute"]
         return seconds, ideal / seconds

@@ -172,7 +172,7 @@ def test_measured_downpour_points_share_the_machines_cores_but_predictions_do_no
     record = _run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=2)
     point = M.points({"runs": [record], "machine": {"cpu_count": 2}})[0]
     assert point["cores"] == 2
-    assert M._ps_scaled(dict(point, workers_per_shard=4), 64)["cores"] is None
+    assert M._on_cluster(dict(point, workers_per_shard=4), 64)["cores"] is None
 
 
 def test_parameter_server_rounds_hide_pushes_behind_blocks():
@@ -224,7 +224,7 @@ def test_ps_messages_are_transfers_counted_from_the_configuration():
     point = M.points({"runs": [record]})[0]
     assert point["messages"] == pytest.approx(2 / 5)
     # More shards: a push reaches them all at once, still one transfer.
-    scaled = M._ps_scaled(dict(point, workers_per_shard=4), 64)
+    scaled = M._on_cluster(dict(point, workers_per_shard=4), 64)
     assert scaled["shards"] == 16
     assert scaled["messages"] == point["messages"]
 
