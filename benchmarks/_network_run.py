@@ -349,12 +349,13 @@ def apply_seconds(hidden, repeats=10, seed=0):
     return _median_seconds(applied, repeats)
 
 
-def local_exchange(method, hidden, seed=0):
+def local_exchange(method, hidden, seed=0, states_too=True):
     """``method``'s ``exchange`` on every gradient of :func:`model`, an identity in place of
     its all-reduce: a function returning the sums and the new states, flat.
 
     The states are returned too: unreturned, their work (PowerSGD's
-    residual) would be pruned from the traced function.
+    residual) is pruned from the traced function, which ``states_too=False``
+    asks for (the sums alone).
     """
     import tensorflow as tf
 
@@ -368,14 +369,14 @@ def local_exchange(method, hidden, seed=0):
     @tf.function
     def exchange():
         totals, new_states, _ = compressor.exchange(grads, states, 1, lambda tensors: tensors)
-        return tf.nest.flatten((totals, new_states))
+        return tf.nest.flatten((totals, new_states) if states_too else totals)
 
     return exchange
 
 
-def _exchange_seconds(method, hidden, repeats=10, seed=0):
+def _exchange_seconds(method, hidden, repeats=10, seed=0, states_too=True):
     """Median seconds of :func:`local_exchange` on one call after a first, untimed one."""
-    exchange = local_exchange(method, hidden, seed)
+    exchange = local_exchange(method, hidden, seed, states_too)
     return _median_seconds(lambda: [t.numpy() for t in exchange()], repeats)
 
 
@@ -388,6 +389,16 @@ def factorise_seconds(hidden, repeats=10, seed=0):
     spans its rounds, so this is measured on its own.
     """
     return _exchange_seconds("powersgd", hidden, repeats, seed)
+
+
+def factorise_sums_seconds(hidden, repeats=10, seed=0):
+    """Median seconds of the part of :func:`factorise_seconds` the sums need, one thread.
+
+    Everything but the residual's update (the error feedback's new state),
+    which needs no sum: in the strategy it can run while the second round
+    is on the wire.
+    """
+    return _exchange_seconds("powersgd", hidden, repeats, seed, states_too=False)
 
 
 def cast_seconds(hidden, repeats=10, seed=0):
@@ -405,7 +416,8 @@ def local_costs(method, hidden):
 
     ``aggregate_seconds``: {senders: seconds} of :func:`aggregate_seconds` at 2
     and 8 senders (gather exchanges); ``apply_seconds``: :func:`apply_seconds`
-    (Downpour); ``factorise_seconds``: :func:`factorise_seconds` (PowerSGD);
+    (Downpour); ``factorise_seconds``, ``factorise_sums_seconds``: :func:`factorise_seconds`
+    and :func:`factorise_sums_seconds` (PowerSGD);
     ``cast_seconds``: :func:`cast_seconds` (fp16).
     """
     if method == "ps":
@@ -415,7 +427,11 @@ def local_costs(method, hidden):
     if method == "fp16":
         return {"aggregate_seconds": None, "cast_seconds": cast_seconds(hidden)}
     if method == "powersgd":
-        return {"aggregate_seconds": None, "factorise_seconds": factorise_seconds(hidden)}
+        return {
+            "aggregate_seconds": None,
+            "factorise_seconds": factorise_seconds(hidden),
+            "factorise_sums_seconds": factorise_sums_seconds(hidden),
+        }
     return {"aggregate_seconds": {str(k): aggregate_seconds(method, hidden, k) for k in (2, 8)}}
 
 

@@ -58,9 +58,12 @@ def test_row_ideal_and_table():
     assert "not reached" in text and "fp16" in text
     assert row["config"] == cfg
     # Machine ideal: the larger of the ideal and the step on unlimited links.
-    network.add_machine_ideal(row, 0.1)
+    network.add_machine_ideal(row, [0.1])
     assert row["machine_ideal_seconds"] == pytest.approx(0.3)
-    network.add_machine_ideal(row, 0.4)
+    # The no-limit step is the median of its passes; every pass is kept.
+    network.add_machine_ideal(row, [0.5, 0.4, 0.35])
+    assert row["unlimited_step_seconds"] == pytest.approx(0.4)
+    assert row["unlimited_step_passes"] == [0.5, 0.4, 0.35]
     assert row["machine_ideal_seconds"] == pytest.approx(0.4)
     assert row["achieved_over_machine_ideal"] == pytest.approx(0.8)
     assert "0.8" in _harness.format_table(network.table([row]))
