@@ -369,6 +369,7 @@ def points(network, measure=None):
     measure = measure or measured_here
     # A run's tasks (Downpour's workers, shards and chief) share this machine's cores.
     cores = (network.get("machine") or {}).get("cpu_count")
+    block_compute = _block_compute(network["runs"])
     out, seen = [], set()
     for i, run in enumerate(network["runs"]):
 
@@ -398,6 +399,9 @@ def points(network, measure=None):
                 "burst": float(tbf_burst_bytes(run["link_bps"])) if run["link_bps"] else 0.0,
             }
             if kind == "ps":
+                # Its workers run the synchronous rows' train step (see _block_compute).
+                compute = block_compute.get((run["model"], run["link"]), point["compute"])
+                point["c"] = point["compute"] = compute
                 point["payload"] = 4.0 * run["params"]
                 point["shards"] = int(run["ps"])
                 point["every"] = int(run["n"])
@@ -429,10 +433,35 @@ def points(network, measure=None):
         if unlimited is not None and key not in seen:
             # The configuration once more on links without a rate limit.
             seen.add(key)
-            out.append(dict(point, link="none", bps=math.inf, burst=0.0, measured=float(unlimited)))
+            none = dict(point, link="none", bps=math.inf, burst=0.0, measured=float(unlimited))
+            # Those runs' compute timings are not recorded: the block's median stands in.
+            compute = block_compute.get((run["model"], run["link"]), point["compute"])
+            none.update(c=point["c"] - point["compute"] + compute, compute=compute)
+            out.append(none)
     if not out:
         raise ValueError("scaling_model: the network result has no runs")
     return out
+
+
+def _block_compute(runs):
+    """{(model, link): the median compute seconds of that block's synchronous runs}.
+
+    Every synchronous run times the same local train step (dense, fp16, DGC
+    and PowerSGD alike) while it runs; a Downpour run does not, and its row
+    in ``network`` carries the dense run's one timing. The block's median
+    stands for the compute of its Downpour runs, which ran among those four
+    (in one run of 2026-11-27 the dense run's timing was 0.058 s, the three
+    others' 0.033-0.034 s: the Downpour points took 70% too much compute).
+    """
+    import statistics
+
+    samples = {}
+    for run in runs:
+        if isinstance(run, dict) and run.get("kind") in FAMILY and run["kind"] != "ps":
+            value = run.get("compute_seconds")
+            if value is not None:
+                samples.setdefault((run.get("model"), run.get("link")), []).append(float(value))
+    return {key: statistics.median(values) for key, values in samples.items()}
 
 
 def _ps_messages(run):

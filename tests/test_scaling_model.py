@@ -282,10 +282,43 @@ def _synthetic(params):
                 runs.append(_run_record("ps", bps, 1e6, None, 1.0, n=n, ps=ps))
     for i, r in enumerate(runs):
         r["compute_seconds"] = 0.02 + 0.01 * (i % 3)
-        p = M.points({"runs": [r]})[0]
+    # Without unlimited steps yet, points() gives one point per run, in order.
+    block = M._block_compute(runs)
+    for r, p in zip(runs, M.points({"runs": runs})):
         r["step_seconds"] = M.predict(p, 2, r["link_bps"], params)
-        r["unlimited_step_seconds"] = M.predict(p, 2, math.inf, params)
+        # Runs without a rate limit take their block's median compute.
+        c = block[(r["model"], r["link"])]
+        none = dict(p, c=p["c"] - p["compute"] + c, compute=c)
+        r["unlimited_step_seconds"] = M.predict(none, 2, math.inf, params)
     return {"runs": runs, "quick": True}
+
+
+def test_downpour_and_no_limit_points_take_their_blocks_median_compute():
+    runs = [
+        _run_record("dense", 1e8, 1e6, 4e6, 1.0, compute=0.058),
+        _run_record("fp16", 1e8, 1e6, 2e6, 1.0, compute=0.033),
+        _run_record("dgc", 1e8, 1e6, 1e4, 1.0, compute=0.034),
+        _run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=1, compute=0.058),
+        # Another block (link): its own median.
+        _run_record("dense", 1e9, 1e6, 4e6, 1.0, compute=0.020),
+        _run_record("ps", 1e9, 1e6, None, 1.0, n=5, ps=1, compute=0.020),
+    ]
+    runs[3]["unlimited_step_seconds"] = 0.5
+    runs[0]["unlimited_step_seconds"] = 0.4
+    pts = M.points({"runs": runs})
+    ps = [p for p in pts if p["kind"] == "ps"]
+    assert [p["link"] for p in ps] == ["1e+08", "none", "1e+09"]
+    assert [p["compute"] for p in ps] == pytest.approx([0.034, 0.034, 0.020])
+    assert ps[0]["c"] == pytest.approx(0.034)
+    # The synchronous points keep their own timing; a lone Downpour run its own.
+    assert pts[0]["compute"] == pytest.approx(0.058)
+    # A synchronous configuration's run without a rate limit (its timing not
+    # recorded) takes its block's median, beside its local costs.
+    none = [p for p in pts if p["link"] == "none" and p["kind"] == "dense"][0]
+    assert none["compute"] == pytest.approx(0.034) and none["measured"] == 0.4
+    assert none["c"] - none["compute"] == pytest.approx(pts[0]["c"] - pts[0]["compute"])
+    alone = M.points({"runs": [_run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=1, compute=0.07)]})
+    assert alone[0]["compute"] == pytest.approx(0.07)
 
 
 def test_points_add_measured_compressor_and_aggregation_time():
