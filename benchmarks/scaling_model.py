@@ -395,13 +395,16 @@ def points(network, measure=None):
                 "measured": float(run["step_seconds"]),
                 "examples_per_step": int(run["examples_per_step"]),
                 "aggregate": (0.0, 0.0),
+                # Its block's median timing of the train step (see _block_compute).
+                "block_compute": block_compute.get(
+                    (run["model"], run["link"]), float(run["compute_seconds"])
+                ),
                 # The emulated link's token bucket (LocalCluster's rule).
                 "burst": float(tbf_burst_bytes(run["link_bps"])) if run["link_bps"] else 0.0,
             }
             if kind == "ps":
-                # Its workers run the synchronous rows' train step (see _block_compute).
-                compute = block_compute.get((run["model"], run["link"]), point["compute"])
-                point["c"] = point["compute"] = compute
+                # Its workers run the synchronous rows' train step; it timed none.
+                point["c"] = point["compute"] = point["block_compute"]
                 point["payload"] = 4.0 * run["params"]
                 point["shards"] = int(run["ps"])
                 point["every"] = int(run["n"])
@@ -433,14 +436,24 @@ def points(network, measure=None):
         if unlimited is not None and key not in seen:
             # The configuration once more on links without a rate limit.
             seen.add(key)
-            none = dict(point, link="none", bps=math.inf, burst=0.0, measured=float(unlimited))
             # Those runs' compute timings are not recorded: the block's median stands in.
-            compute = block_compute.get((run["model"], run["link"]), point["compute"])
-            none.update(c=point["c"] - point["compute"] + compute, compute=compute)
+            none = dict(
+                _at_block_compute(point),
+                link="none",
+                bps=math.inf,
+                burst=0.0,
+                measured=float(unlimited),
+            )
             out.append(none)
     if not out:
         raise ValueError("scaling_model: the network result has no runs")
     return out
+
+
+def _at_block_compute(point):
+    """``point`` with its block's median compute in place of its own timing, local costs kept."""
+    compute = point["block_compute"]
+    return dict(point, c=point["c"] - point["compute"] + compute, compute=compute)
 
 
 def _block_compute(runs):
@@ -563,10 +576,11 @@ def load(path):
 
 
 def _scenarios(pts):
-    """The systems to scale, one point per (model, system); Downpour once per n with the
-    first shard count measured, twice: shards fixed at it, and one shard per 4 workers."""
+    """The systems to scale, one point per (model, system), at its block's median compute;
+    Downpour once per n with the first shard count measured, twice: shards fixed at it,
+    and one shard per 4 workers."""
     out = {}
-    for p in pts:
+    for p in map(_at_block_compute, pts):
         if p["kind"] != "ps":
             out.setdefault((p["model"], p["system"]), p)
             continue

@@ -317,6 +317,9 @@ def test_downpour_and_no_limit_points_take_their_blocks_median_compute():
     none = [p for p in pts if p["link"] == "none" and p["kind"] == "dense"][0]
     assert none["compute"] == pytest.approx(0.034) and none["measured"] == 0.4
     assert none["c"] - none["compute"] == pytest.approx(pts[0]["c"] - pts[0]["compute"])
+    # So does every system the predictions scale.
+    scenarios = {p["system"]: p for p in M._scenarios(pts)}
+    assert scenarios["dense"]["compute"] == pytest.approx(0.034)
     alone = M.points({"runs": [_run_record("ps", 1e8, 1e6, None, 1.0, n=5, ps=1, compute=0.07)]})
     assert alone[0]["compute"] == pytest.approx(0.07)
 
