@@ -124,6 +124,7 @@ import functools
 import json
 import math
 import os
+import statistics
 
 from benchmarks import _harness
 from tfdist_ext.cluster._netns import tbf_burst_bytes
@@ -466,8 +467,6 @@ def _block_compute(runs):
     (in one run of 2026-11-27 the dense run's timing was 0.058 s, the three
     others' 0.033-0.034 s: the Downpour points took 70% too much compute).
     """
-    import statistics
-
     samples = {}
     for run in runs:
         if isinstance(run, dict) and run.get("kind") in FAMILY and run["kind"] != "ps":

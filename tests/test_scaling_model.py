@@ -283,12 +283,10 @@ def _synthetic(params):
     for i, r in enumerate(runs):
         r["compute_seconds"] = 0.02 + 0.01 * (i % 3)
     # Without unlimited steps yet, points() gives one point per run, in order.
-    block = M._block_compute(runs)
     for r, p in zip(runs, M.points({"runs": runs})):
         r["step_seconds"] = M.predict(p, 2, r["link_bps"], params)
         # Runs without a rate limit take their block's median compute.
-        c = block[(r["model"], r["link"])]
-        none = dict(p, c=p["c"] - p["compute"] + c, compute=c)
+        none = M._at_block_compute(p)
         r["unlimited_step_seconds"] = M.predict(none, 2, math.inf, params)
     return {"runs": runs, "quick": True}
 
