@@ -133,16 +133,13 @@ def _row(link, model, cfg, out, compute):
     examples = BATCH if downpour else BATCH * workers
     step = _step_seconds(cfg, out)
     busiest = max(max(v) for v in out["link_bytes_per_step"].values())
-    # Downpour: one step of one worker; the two workers compute in parallel.
-    compute_per_step = compute / workers if downpour else compute
-    ideal = compute_per_step + 8 * busiest / rate
     if downpour:
         logical = out["push_bytes_per_step"] + out["fetch_bytes_per_step"]
         system = f"downpour n={cfg['n']} ps={cfg['ps']}"
     else:
         logical = out["compressor_bytes_per_step"]
         system = cfg["method"]
-    return {
+    row = {
         "link": link,
         "link_bps": rate,
         "model": model,
@@ -155,7 +152,6 @@ def _row(link, model, cfg, out, compute):
         "examples_per_step": examples,
         "step_seconds": step,
         "examples_per_second": examples / step,
-        "compute_seconds": compute,
         "compress_seconds": out.get("compress_seconds_per_step"),
         # Local costs for scaling_model (absent from results before they were recorded).
         "aggregate_seconds": out.get("aggregate_seconds"),
@@ -169,14 +165,42 @@ def _row(link, model, cfg, out, compute):
         "logical_bytes": logical,
         "link_bytes_per_step": out["link_bytes_per_step"],
         "messages": _messages(cfg.get("method", "ps"), cfg.get("n")),
-        "ideal_seconds": ideal,
-        "achieved_over_ideal": ideal / step,
         "seconds_to_target": out["seconds_to_target"],
         "final_accuracy": out["curve"][-1][2],
         "steps": out["steps"],
         "curve": out["curve"],
         "config": {k: v for k, v in cfg.items() if k not in ("target", "budget_seconds")},
     }
+    set_compute(row, compute)
+    return row
+
+
+def set_compute(row, compute):
+    """Sets ``row``'s compute seconds and the ideal step and achieved / ideal they give.
+
+    Ideal = compute + the busiest link's bytes at the link rate. Downpour:
+    one step of one worker, and the two workers compute in parallel, so
+    compute / 2 per system step.
+    """
+    per_step = compute / row["workers"] if row["kind"] == "ps" else compute
+    row["compute_seconds"] = compute
+    row["ideal_seconds"] = per_step + 8 * row["busiest_link_bytes"] / row["link_bps"]
+    row["achieved_over_ideal"] = row["ideal_seconds"] / row["step_seconds"]
+
+
+def set_block_compute(block):
+    """Gives the Downpour rows of ``block`` (one model x link) its synchronous rows' median compute.
+
+    Every synchronous run times the same local train step while it runs; a
+    Downpour run times none. The block's median of those timings stands for
+    its compute, rather than any one run's (on 2026-11-27 the dense run's
+    timing was 0.058 s, the three others' 0.033-0.034 s).
+    """
+    timed = [r["compute_seconds"] for r in block if r["kind"] != "ps"]
+    for row in block:
+        if row["kind"] == "ps" and timed:
+            set_compute(row, statistics.median(timed))
+            row["compute_from"] = "block median"
 
 
 def _params(hidden):
@@ -210,7 +234,7 @@ def run(quick=False, seed=0):
             cap = DOWNPOUR_BUDGET if cfg["system"] == "downpour" else float("inf")
             cfg.update(target=target, budget_seconds=min(budget, cap))
             out = _run(cfg)
-            # Downpour's workers run the dense run's step; synchronous runs measure their own.
+            # Synchronous runs time their own compute; Downpour's is set with the block's below.
             row = _row(link, model, cfg, out, out.get("compute_seconds", dense["compute_seconds"]))
             rows.append(row)
             print(
@@ -219,9 +243,10 @@ def run(quick=False, seed=0):
                 f"to target {row['seconds_to_target']}",
                 flush=True,
             )
-    floors = _unlimited_steps(rows, 1 if quick else UNLIMITED_PASSES)
+        set_block_compute([r for r in rows if r["model"] == model and r["link"] == link])
+    unlimited = _unlimited_passes(rows, 1 if quick else UNLIMITED_PASSES)
     for row in rows:
-        add_machine_ideal(row, floors[(row["model"], row["system"])])
+        add_machine_ideal(row, unlimited)
     for row in rows:
         dense = next(r for r in rows if r["link"] == row["link"] and r["model"] == row["model"])
         row["step_speedup_vs_dense"] = row["examples_per_second"] / dense["examples_per_second"]
@@ -244,22 +269,38 @@ def run(quick=False, seed=0):
     }
 
 
-def add_machine_ideal(row, unlimited_steps):
-    """Adds to ``row`` its configuration's steps on unlimited links and the machine ideal.
+def add_machine_ideal(row, unlimited):
+    """Adds to ``row`` its configuration's runs on unlimited links and the machine ideal.
 
-    ``unlimited_steps``: the step seconds of every pass; their median is the
-    row's no-limit step. Machine ideal = max(that step, the row's ideal): the
-    wire time of the link, or the cores and software's own time if larger.
+    ``unlimited``: {(model, system): [one dict per pass]} (``_unlimited_passes``).
+    The median of the passes' steps is the row's no-limit step; machine ideal
+    = max(that step, the row's ideal): the wire time of the link, or the
+    cores and software's own time if larger. The median of their compute
+    timings (a Downpour configuration's: of its model's synchronous ones; it
+    times none) and of the compressor's clock are the no-limit runs' own, as
+    the rate-limited row's are its own.
     """
-    unlimited_step = statistics.median(unlimited_steps)
-    row["unlimited_step_seconds"] = unlimited_step
-    row["unlimited_step_passes"] = list(unlimited_steps)
-    row["machine_ideal_seconds"] = max(unlimited_step, row["ideal_seconds"])
+    passes = unlimited[(row["model"], row["system"])]
+    row["unlimited_step_passes"] = [p["step_seconds"] for p in passes]
+    row["unlimited_step_seconds"] = statistics.median(row["unlimited_step_passes"])
+    row["machine_ideal_seconds"] = max(row["unlimited_step_seconds"], row["ideal_seconds"])
     row["achieved_over_machine_ideal"] = row["machine_ideal_seconds"] / row["step_seconds"]
+    if row["kind"] == "ps":
+        passes = [
+            {"compute_seconds": p["compute_seconds"]}
+            for (model, _), runs in unlimited.items()
+            if model == row["model"]
+            for p in runs
+        ]
+    for field in ("compute_seconds", "compress_seconds"):
+        values = [p[field] for p in passes if p.get(field) is not None]
+        if values:
+            row[f"unlimited_{field}"] = statistics.median(values)
 
 
-def _unlimited_steps(rows, passes):
-    """{(model, system): [step seconds]} of every configuration of ``rows``, on unlimited links.
+def _unlimited_passes(rows, passes):
+    """{(model, system): [{step, compute and compressor seconds}]} of every configuration of
+    ``rows``, once a pass, on unlimited links.
 
     The same run on the same namespaces and veths without a ``tbf`` (fixed
     steps, no accuracy target): what compute, the software and the cores cost
@@ -270,13 +311,23 @@ def _unlimited_steps(rows, passes):
     configs = {}
     for row in rows:
         configs.setdefault((row["model"], row["system"]), row["config"])
-    floors = {key: [] for key in configs}
+    out = {key: [] for key in configs}
     for p in range(passes):
         for key, config in configs.items():
             cfg = dict(config, bandwidth=None, target=2.0, budget_seconds=UNLIMITED_BUDGET)
-            floors[key].append(_step_seconds(cfg, _run(cfg)))
-            print(f"{key[0]} unlimited {key[1]} pass {p}: {floors[key][-1]:.3f}s/step", flush=True)
-    return floors
+            run = _run(cfg)
+            out[key].append(
+                {
+                    "step_seconds": _step_seconds(cfg, run),
+                    "compute_seconds": run.get("compute_seconds"),
+                    "compress_seconds": run.get("compress_seconds_per_step"),
+                }
+            )
+            print(
+                f"{key[0]} unlimited {key[1]} pass {p}: {out[key][-1]['step_seconds']:.3f}s/step",
+                flush=True,
+            )
+    return out
 
 
 def _figures(rows):
@@ -420,7 +471,10 @@ def _notes(quick, seed, dense_steps):
         "(logical_bytes in the runs); the ideal uses the veth bytes.",
         "compute s: median of the same train step on a local copy of the model, no "
         "communication, both workers at once (1 intra-op thread each), measured in every "
-        "synchronous run; Downpour rows use the dense run's.",
+        "synchronous run; Downpour rows take the median of their block's synchronous rows "
+        "(results before 2026-11-27 noon: the dense run's). The runs on links without a rate "
+        "limit record theirs too (unlimited_compute_seconds, the median of the passes; "
+        "Downpour: of its model's synchronous ones).",
         "Plain tf.distribute.MultiWorkerMirroredStrategy fails in model.fit under Keras 3 here "
         "(verified: 'Attempt to convert a value (PerReplica...) with an unsupported type' "
         "when Keras reduces the first batch), so the synchronous peer is "

@@ -422,7 +422,8 @@ def points(network, measure=None):
             if kind == "fp16":
                 point["c"] += float(local_cost("cast_seconds"))
             if kind in GATHER:
-                point["c"] += float(run.get("compress_seconds") or 0.0)
+                point["compress"] = float(run.get("compress_seconds") or 0.0)
+                point["c"] += point["compress"]
                 agg = local_cost("aggregate_seconds")
                 point["aggregate"] = (float(agg["2"]), float(agg["8"]))
         except (KeyError, TypeError, ValueError) as e:
@@ -437,9 +438,16 @@ def points(network, measure=None):
         if unlimited is not None and key not in seen:
             # The configuration once more on links without a rate limit.
             seen.add(key)
-            # Those runs' compute timings are not recorded: the block's median stands in.
+            # Their own compute (and compressor) timings; runs before 2026-11-27 noon
+            # recorded none, and their block's median compute stands in.
+            compute = run.get("unlimited_compute_seconds")
+            compress = run.get("unlimited_compress_seconds")
             none = dict(
-                _at_block_compute(point),
+                _at_compute(
+                    point,
+                    point["block_compute"] if compute is None else float(compute),
+                    float(compress) if compress is not None and kind in GATHER else None,
+                ),
                 link="none",
                 bps=math.inf,
                 burst=0.0,
@@ -453,19 +461,29 @@ def points(network, measure=None):
 
 def _at_block_compute(point):
     """``point`` with its block's median compute in place of its own timing, local costs kept."""
-    compute = point["block_compute"]
-    return dict(point, c=point["c"] - point["compute"] + compute, compute=compute)
+    return _at_compute(point, point["block_compute"])
+
+
+def _at_compute(point, compute, compress=None):
+    """``point`` with ``compute`` (and the compressor's ``compress``, if given) in place of
+    its own timings, its other local costs kept."""
+    c = point["c"] - point["compute"] + compute
+    if compress is not None:
+        c += compress - point.get("compress", 0.0)
+        point = dict(point, compress=compress)
+    return dict(point, c=c, compute=compute)
 
 
 def _block_compute(runs):
     """{(model, link): the median compute seconds of that block's synchronous runs}.
 
     Every synchronous run times the same local train step (dense, fp16, DGC
-    and PowerSGD alike) while it runs; a Downpour run does not, and its row
-    in ``network`` carries the dense run's one timing. The block's median
-    stands for the compute of its Downpour runs, which ran among those four
-    (in one run of 2026-11-27 the dense run's timing was 0.058 s, the three
-    others' 0.033-0.034 s: the Downpour points took 70% too much compute).
+    and PowerSGD alike) while it runs; a Downpour run does not. The block's
+    median stands for the compute of its Downpour runs, which ran among
+    those four. ``network`` records it in Downpour rows since 2026-11-27
+    noon; rows before carry the dense run's one timing (in one run of
+    2026-11-27 0.058 s, the three others' 0.033-0.034 s: the Downpour points
+    took 70% too much compute), hence this fallback.
     """
     samples = {}
     for run in runs:

@@ -58,15 +58,72 @@ def test_row_ideal_and_table():
     assert "not reached" in text and "fp16" in text
     assert row["config"] == cfg
     # Machine ideal: the larger of the ideal and the step on unlimited links.
-    network.add_machine_ideal(row, [0.1])
+    network.add_machine_ideal(row, {("1M", "fp16"): [_unlimited(0.1, 0.09)]})
     assert row["machine_ideal_seconds"] == pytest.approx(0.3)
-    # The no-limit step is the median of its passes; every pass is kept.
-    network.add_machine_ideal(row, [0.5, 0.4, 0.35])
+    # The no-limit step is the median of its passes, every pass kept, and so
+    # are the no-limit runs' own compute and compressor timings.
+    passes = [_unlimited(0.5, 0.12, 0.02), _unlimited(0.4, 0.11, 0.03), _unlimited(0.35, 0.13)]
+    network.add_machine_ideal(row, {("1M", "fp16"): passes})
     assert row["unlimited_step_seconds"] == pytest.approx(0.4)
     assert row["unlimited_step_passes"] == [0.5, 0.4, 0.35]
+    assert row["unlimited_compute_seconds"] == pytest.approx(0.12)
+    assert row["unlimited_compress_seconds"] == pytest.approx(0.025)
     assert row["machine_ideal_seconds"] == pytest.approx(0.4)
     assert row["achieved_over_machine_ideal"] == pytest.approx(0.8)
     assert "0.8" in _harness.format_table(network.table([row]))
+    # The rate-limited row's own compute is untouched.
+    assert row["compute_seconds"] == pytest.approx(0.1)
+
+
+def _unlimited(step, compute, compress=None):
+    return {"step_seconds": step, "compute_seconds": compute, "compress_seconds": compress}
+
+
+def _downpour_out(step):
+    return {
+        "step_seconds": step,
+        "chunk_step_seconds": step,
+        "link_bytes_per_step": {"worker:0": [1e6, 1e6], "ps:0": [2e6, 2e6]},
+        "push_bytes_per_step": 1e6,
+        "fetch_bytes_per_step": 1e6,
+        "seconds_to_target": None,
+        "curve": [[10, 5.0, 0.3]],
+        "steps": 10,
+    }
+
+
+def test_downpour_rows_take_their_blocks_median_compute():
+    sync = {
+        "step_seconds": 0.5,
+        "link_bytes_per_step": {"worker:0": [1e6, 1e6]},
+        "compressor_bytes_per_step": 1e6,
+        "seconds_to_target": None,
+        "curve": [[10, 5.0, 0.3]],
+        "steps": 10,
+    }
+    rows = [
+        network._row("100mbit", "1M", {"system": "sync", "method": m}, sync, c)
+        for m, c in (("dense", 0.058), ("fp16", 0.033), ("dgc", 0.034), ("powersgd", 0.035))
+    ]
+    cfg = {"system": "downpour", "n": 5, "ps": 1}
+    # Downpour times no compute: the row starts with the dense run's.
+    rows.append(network._row("100mbit", "1M", cfg, _downpour_out(0.4), 0.058))
+    network.set_block_compute(rows)
+    ps = rows[-1]
+    assert ps["compute_seconds"] == pytest.approx(0.0345)
+    assert ps["compute_from"] == "block median"
+    # Ideal: one worker's step (the two compute in parallel) + 2 MB at 100 Mbit/s.
+    assert ps["ideal_seconds"] == pytest.approx(0.0345 / 2 + 0.16)
+    assert ps["achieved_over_ideal"] == pytest.approx(ps["ideal_seconds"] / 0.4)
+    assert [r["compute_seconds"] for r in rows[:4]] == [0.058, 0.033, 0.034, 0.035]
+    # Without a rate limit it takes the median of its model's synchronous timings.
+    unlimited = {
+        ("1M", r["system"]): [_unlimited(0.1, 0.03 + 0.001 * i)] for i, r in enumerate(rows)
+    }
+    unlimited[("1M", ps["system"])] = [_unlimited(0.01, None)]
+    network.add_machine_ideal(ps, unlimited)
+    assert ps["unlimited_compute_seconds"] == pytest.approx(0.0315)
+    assert "unlimited_compress_seconds" not in ps
 
 
 @pytest.mark.slow

@@ -322,6 +322,23 @@ def test_downpour_and_no_limit_points_take_their_blocks_median_compute():
     assert alone[0]["compute"] == pytest.approx(0.07)
 
 
+def test_no_limit_points_take_their_runs_own_compute_and_compressor_timings():
+    dgc = dict(_run_record("dgc", 1e8, 1e6, 1e4, 1.0), unlimited_step_seconds=0.3)
+    dgc.update(unlimited_compute_seconds=0.04, unlimited_compress_seconds=0.005)
+    psgd = dict(_run_record("powersgd", 1e8, 1e6, 4e4, 1.0), unlimited_step_seconds=0.3)
+    psgd.update(unlimited_compute_seconds=0.06, unlimited_compress_seconds=0.5)
+    pts = M.points({"runs": [dgc, psgd]})
+    limited, none = pts[0], pts[1]
+    assert none["link"] == "none" and none["compute"] == pytest.approx(0.04)
+    # DGC's compressor clock (excluding its exchange) is replaced too.
+    assert none["compress"] == pytest.approx(0.005)
+    assert none["c"] - limited["c"] == pytest.approx((0.04 - 0.05) + (0.005 - 0.002))
+    # PowerSGD's clock includes its exchange: only the compute is replaced.
+    limited, none = pts[2], pts[3]
+    assert none["compute"] == pytest.approx(0.06)
+    assert none["c"] - limited["c"] == pytest.approx(0.06 - limited["compute"])
+
+
 def test_points_add_measured_compressor_and_aggregation_time():
     record = _run_record("dgc", 1e8, 1e6, 1e4, 1.0)
     point = M.points({"runs": [record]})[0]
