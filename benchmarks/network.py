@@ -188,18 +188,32 @@ def set_compute(row, compute):
     row["achieved_over_ideal"] = row["ideal_seconds"] / row["step_seconds"]
 
 
-def set_block_compute(block):
-    """Gives the Downpour rows of ``block`` (one model x link) its synchronous rows' median compute.
+def block_compute(rows):
+    """{(model, link): the median compute seconds of that block's synchronous rows}.
 
-    Every synchronous run times the same local train step while it runs; a
-    Downpour run times none. The block's median of those timings stands for
-    its compute, rather than any one run's (on 2026-11-27 the dense run's
-    timing was 0.058 s, the three others' 0.033-0.034 s).
+    Every synchronous run times the same local train step while it runs
+    (dense, fp16, DGC and PowerSGD alike); a Downpour run times none. The
+    block's median of those timings stands for its compute, rather than any
+    one run's (on 2026-11-27 the dense run's timing was 0.058 s, the three
+    others' 0.033-0.034 s). ``scaling_model`` applies it to results recorded
+    before Downpour rows carried it.
     """
-    timed = [r["compute_seconds"] for r in block if r["kind"] != "ps"]
-    for row in block:
-        if row["kind"] == "ps" and timed:
-            set_compute(row, statistics.median(timed))
+    samples = {}
+    for row in rows:
+        if isinstance(row, dict) and row.get("kind") in SYNC_METHODS:
+            value = row.get("compute_seconds")
+            if value is not None:
+                samples.setdefault((row.get("model"), row.get("link")), []).append(float(value))
+    return {key: statistics.median(values) for key, values in samples.items()}
+
+
+def set_block_compute(rows):
+    """Gives every Downpour row of ``rows`` its block's median compute (:func:`block_compute`)."""
+    medians = block_compute(rows)
+    for row in rows:
+        key = (row["model"], row["link"])
+        if row["kind"] == "ps" and key in medians:
+            set_compute(row, medians[key])
             row["compute_from"] = "block median"
 
 
@@ -234,7 +248,7 @@ def run(quick=False, seed=0):
             cap = DOWNPOUR_BUDGET if cfg["system"] == "downpour" else float("inf")
             cfg.update(target=target, budget_seconds=min(budget, cap))
             out = _run(cfg)
-            # Synchronous runs time their own compute; Downpour's is set with the block's below.
+            # Synchronous runs time their own compute; Downpour's is their block's (below).
             row = _row(link, model, cfg, out, out.get("compute_seconds", dense["compute_seconds"]))
             rows.append(row)
             print(
@@ -243,7 +257,7 @@ def run(quick=False, seed=0):
                 f"to target {row['seconds_to_target']}",
                 flush=True,
             )
-        set_block_compute([r for r in rows if r["model"] == model and r["link"] == link])
+    set_block_compute(rows)
     unlimited = _unlimited_passes(rows, 1 if quick else UNLIMITED_PASSES)
     for row in rows:
         add_machine_ideal(row, unlimited)
@@ -285,15 +299,11 @@ def add_machine_ideal(row, unlimited):
     row["unlimited_step_seconds"] = statistics.median(row["unlimited_step_passes"])
     row["machine_ideal_seconds"] = max(row["unlimited_step_seconds"], row["ideal_seconds"])
     row["achieved_over_machine_ideal"] = row["machine_ideal_seconds"] / row["step_seconds"]
-    if row["kind"] == "ps":
-        passes = [
-            {"compute_seconds": p["compute_seconds"]}
-            for (model, _), runs in unlimited.items()
-            if model == row["model"]
-            for p in runs
-        ]
-    for field in ("compute_seconds", "compress_seconds"):
-        values = [p[field] for p in passes if p.get(field) is not None]
+    timed = passes
+    if row["kind"] == "ps":  # it times no compute: its model's synchronous passes do
+        timed = [p for (model, _), runs in unlimited.items() if model == row["model"] for p in runs]
+    for field, source in (("compute_seconds", timed), ("compress_seconds", passes)):
+        values = [p[field] for p in source if p.get(field) is not None]
         if values:
             row[f"unlimited_{field}"] = statistics.median(values)
 

@@ -124,7 +124,6 @@ import functools
 import json
 import math
 import os
-import statistics
 
 from benchmarks import _harness
 from tfdist_ext.cluster._netns import tbf_burst_bytes
@@ -475,23 +474,16 @@ def _at_compute(point, compute, compress=None):
 
 
 def _block_compute(runs):
-    """{(model, link): the median compute seconds of that block's synchronous runs}.
+    """{(model, link): the median compute of that block's synchronous runs} (``network.block_compute``).
 
-    Every synchronous run times the same local train step (dense, fp16, DGC
-    and PowerSGD alike) while it runs; a Downpour run does not. The block's
-    median stands for the compute of its Downpour runs, which ran among
-    those four. ``network`` records it in Downpour rows since 2026-11-27
-    noon; rows before carry the dense run's one timing (in one run of
-    2026-11-27 0.058 s, the three others' 0.033-0.034 s: the Downpour points
-    took 70% too much compute), hence this fallback.
+    ``network`` records it in Downpour rows since 2026-11-27 noon; rows
+    before carry the dense run's one timing (in one run of 2026-11-27
+    0.058 s, the three others' 0.033-0.034 s: the Downpour points took 70%
+    too much compute), hence this fallback.
     """
-    samples = {}
-    for run in runs:
-        if isinstance(run, dict) and run.get("kind") in FAMILY and run["kind"] != "ps":
-            value = run.get("compute_seconds")
-            if value is not None:
-                samples.setdefault((run.get("model"), run.get("link")), []).append(float(value))
-    return {key: statistics.median(values) for key, values in samples.items()}
+    from benchmarks import network
+
+    return network.block_compute(runs)
 
 
 def _ps_messages(run):
