@@ -97,8 +97,9 @@ residual's update (the error feedback's new state: ``factorise_seconds``
 less ``factorise_sums_seconds``, the work the sums need) waits for no sum,
 so the worker's second inter-op thread runs it while the second round is
 out; only what outlasts that round's fixed part stays on the step's path
-(:func:`residual_hidden`; since 2026-11-28: the 1M PowerSGD points had been
-10-16% slow in every run, the 10M ones 6-7% fast)::
+(:func:`residual_hidden`; since 2026-11-27 afternoon: before, the model
+put the 1M PowerSGD points 10-16% too slow in every run, the 10M ones 6-7%
+too fast)::
 
     c = compute + factorise - min(residual, o + 2(N-1) alpha_hop)
 
