@@ -442,7 +442,10 @@ def points(network, measure=None):
             if kind == "powersgd":
                 factorise = float(local_cost("factorise_seconds"))
                 point["c"] += factorise
-                # The residual's update, which needs no sum (residual_hidden).
+                # The residual's update, which needs no sum (residual_hidden):
+                # what of the local work in c is beyond the sums' share. The
+                # timings before 2026-11-27 evening held the sums alone (their
+                # residual was pruned), so those runs hide nothing.
                 sums = float(local_cost("factorise_sums_seconds"))
                 point["residual"] = max(0.0, factorise - sums)
             if kind == "fp16":

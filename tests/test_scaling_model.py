@@ -410,6 +410,18 @@ def test_missing_local_costs_are_measured(monkeypatch):
     assert pts[2]["c"] == pytest.approx(0.05 + 0.03) and pts[2]["residual"] == pytest.approx(0.02)
     assert pts[3]["c"] == pts[3]["compute"] and pts[3]["aggregate"] == (0.0, 0.0)
     assert pts[4]["c"] == pytest.approx(0.05 + 0.02)
+    # A run that recorded its local work but not the sums' share: the
+    # residual is what of the recorded work exceeds the sums timed here, and
+    # nothing when the recorded timing held the sums alone (before the
+    # evening of 2026-11-27 it pruned the residual).
+    older = _run_record("powersgd", 1e8, 1e6, 4e4, 1.0)
+    older.update(factorise_seconds=0.025)
+    older.pop("factorise_sums_seconds")
+    point = M.points({"runs": [older]}, measure=measure)[0]
+    assert point["c"] == pytest.approx(0.05 + 0.025)
+    assert point["residual"] == pytest.approx(0.025 - 0.01)
+    older.update(factorise_seconds=0.008)
+    assert M.points({"runs": [older]}, measure=measure)[0]["residual"] == 0.0
 
 
 def test_fit_recovers_known_parameters():
