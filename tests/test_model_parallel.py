@@ -1055,3 +1055,125 @@ def test_any_keras_entry_point_places_the_model(cpu_devices, entry, lazy):
     if lazy:
         assert_created_on_their_stages(log, model, strategy.plan)
     assert model.predict(x[:4], verbose=0).shape == (4, 10)
+
+
+def shared_layer_model():
+    """One Dense applied twice in a row, then again after a later stage's layer."""
+    inputs = keras.Input((64,))
+    shared = keras.layers.Dense(64, activation="relu", name="shared")
+    mid = keras.layers.Dense(64, activation="tanh", name="mid")(shared(shared(inputs)))
+    return keras.Model(inputs, keras.layers.Dense(10, name="out")(shared(mid)))
+
+
+@pytest.mark.parametrize("microbatches", [1, 3])
+def test_a_shared_layer_trains_like_plain_keras(cpu_devices, microbatches):
+    # Three stages, one layer each: the last call of 'shared' (stage 0) reads
+    # what 'mid' made on stage 1.
+    strategy = ModelParallelStrategy(cpu_devices[:3], microbatches=microbatches)
+    model = built(strategy, shared_layer_model, optimizer=keras.optimizers.SGD(0.1))
+    strategy.place(model)
+    assert [s.layers for s in strategy.plan.stages] == [("shared",), ("mid",), ("out",)]
+    x, y = digits(64)
+    fn = tf.function(lambda a, b: microbatch_gradients(model, strategy.plan, (a, b), microbatches))
+    loss, _, grads = fn(tf.constant(x), tf.constant(y))
+    ref_loss, ref_grads = reference_loss_and_grads(model, x, y)
+    np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-4, atol=1e-6)
+    keras.utils.set_random_seed(0)
+    plain = shared_layer_model()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    plain.set_weights(model.get_weights())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    for path, device in placement_report(model).items():
+        assert same_device(device, planned_device(strategy.plan, path)), path
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [lambda: keras.optimizers.SGD(0.1), lambda: keras.optimizers.Adam(0.01)],
+    ids=["sgd", "adam_with_slots"],
+)
+def test_a_model_built_outside_the_scope_is_refused_or_trained_in_the_scope(cpu_devices, optimizer):
+    x, y = digits(64)
+    keras.utils.set_random_seed(0)
+    plain = mlp(inputs=64)
+    plain.compile(optimizer=optimizer(), loss=LOSS)
+    start = plain.get_weights()
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=2)
+    model = mlp(inputs=64)  # built before the scope
+    model.set_weights(start)
+    with strategy.scope():
+        model.compile(optimizer=optimizer(), loss=LOSS)
+    with pytest.raises(
+        ValueError, match=r"built outside strategy\.scope\(\).*Build the model inside"
+    ):
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), start):  # refused before any step ran
+        np.testing.assert_array_equal(a, b)
+    with strategy.scope():  # what the message says to do
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert len(strategy.plan.stages) == 2
+    for path, device in placement_report(model).items():
+        assert same_device(device, planned_device(strategy.plan, path)), path
+
+
+def batch_norm_model(trainable=True):
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(32, name="d"),
+            keras.layers.BatchNormalization(name="bn", trainable=trainable),
+            keras.layers.Activation("relu", name="relu"),
+            keras.Sequential(
+                [keras.layers.BatchNormalization(name="inner_bn", trainable=trainable)],
+                name="block",
+            ),
+            keras.layers.Dense(10, name="out"),
+        ]
+    )
+
+
+def fit_like_plain_keras(strategy, make, x, y):
+    """Fits ``make()`` under ``strategy`` and in plain Keras from the same
+    weights; asserts the weights (moving statistics included) end equal."""
+    keras.utils.set_random_seed(0)
+    plain = make()
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss=LOSS)
+    model = built(strategy, make, optimizer=keras.optimizers.SGD(0.1))
+    model.set_weights(plain.get_weights())
+    plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_batch_normalization_is_refused_with_microbatches_and_trains_with_one(cpu_devices):
+    x, y = digits(128)
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=4)
+    model = built(strategy, batch_norm_model)
+    weights = model.get_weights()
+    for train in (lambda: model.fit(x, y, epochs=1, verbose=0), lambda: model.train_on_batch(x, y)):
+        with pytest.raises(
+            ValueError,
+            match=r"microbatches=4 cannot train .*'bn' \(BatchNormalization\), "
+            r"'inner_bn' .*microbatches=1.*LayerNormalization or GroupNormalization",
+        ):
+            train()
+    assert model.train_function is None  # refused before anything ran
+    for a, b in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(a, b)
+    fit_like_plain_keras(ModelParallelStrategy(cpu_devices[:2]), batch_norm_model, x, y)
+
+
+def test_frozen_batch_normalization_trains_with_microbatches(cpu_devices):
+    # trainable=False: the layer normalizes with its moving statistics, per example.
+    x, y = digits(128)
+    strategy = ModelParallelStrategy(cpu_devices[:2], microbatches=4)
+    fit_like_plain_keras(strategy, lambda: batch_norm_model(trainable=False), x, y)

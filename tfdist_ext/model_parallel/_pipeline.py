@@ -81,6 +81,39 @@ def pipeline_problem(model):
     )
 
 
+def batch_statistics_problem(model, microbatches):
+    """Why ``microbatches`` would change ``model``'s training step, or ``None``.
+
+    A ``BatchNormalization`` layer (or subclass) in training mode normalizes
+    with the mean and variance of the batch it sees, and updates its moving
+    statistics once per call: split into micro-batches, its outputs, the
+    gradients and the moving statistics all differ from the whole batch's
+    (GPipe's behaviour too, but here the promise is the unpipelined step). A
+    frozen one (``trainable=False``) uses its moving statistics, per example.
+    """
+    if microbatches == 1:
+        return None
+    from tfdist_ext.model_parallel._plan import top_level_layers
+
+    found = [
+        f"{layer.name!r} ({type(layer).__name__})"
+        for top in top_level_layers(model)
+        for layer in _integration.sublayers(top)
+        if isinstance(layer, keras.layers.BatchNormalization) and layer.trainable
+    ]
+    if not found:
+        return None
+    return (
+        f"microbatches={microbatches} cannot train model {model.name!r}: layer(s) "
+        f"{', '.join(found)} normalize with the statistics of the batch they see; each "
+        f"micro-batch holds 1/{microbatches} of the batch, so the outputs, gradients and "
+        "moving statistics would differ from the unpipelined step's. Use "
+        "ModelParallelStrategy(..., microbatches=1) (the layers are still placed per "
+        "stage), or normalize per example with LayerNormalization or GroupNormalization "
+        "(or freeze the layer: trainable=False)."
+    )
+
+
 def _graph(model):
     """``(calls, input keys, output keys)`` of ``model``'s graph in a topological order."""
     from tfdist_ext.model_parallel._plan import top_level_layers
@@ -103,19 +136,16 @@ def _stages(model, plan):
     made_in = {key: -1 for key in model_inputs}
     by_stage = [[] for _ in plan.stages]
     for call in calls:
+        # A call runs on the stage of its layer, or later if it reads a tensor
+        # made later: a layer called at several places of the graph (a shared
+        # layer) whose later call reads what a later stage's layer made. Its
+        # ops still run next to its variables (apply_plan wraps the layer's
+        # call in its device); its stage only decides when the call runs in
+        # the pipeline and in which stage's tape, and the stages' variable
+        # gradients are summed, so every call's share is counted once.
         # An operation that is not a layer (e.g. keras.ops.add in a functional
         # model) has no variables and is not planned: it follows its inputs.
-        s = stage_of_layer.get(call.layer.name)
-        if s is None:
-            s = max([0, *(made_in.get(key, 0) for key in call.inputs)])
-        for key in call.inputs:
-            if made_in.get(key, -1) > s:
-                raise ValueError(
-                    f"layer {call.layer.name!r} on stage {s} reads a tensor made on the "
-                    f"later stage {made_in[key]} of model {model.name!r} (a layer called "
-                    "at several places of the graph); place its calls on one stage with "
-                    "an explicit partition, or use microbatches=1"
-                )
+        s = max([stage_of_layer.get(call.layer.name, 0), *(made_in.get(k, 0) for k in call.inputs)])
         made_in.update({key: s for key in call.outputs})
         by_stage[s].append(call)
     read_later = [set(model_outputs) for _ in by_stage]
@@ -179,9 +209,11 @@ def microbatch_gradients(model, plan, data, microbatches):
     Returns ``(loss, y_pred, grads)`` where ``grads`` lines up with
     ``model.trainable_variables``; ``loss`` is what the unpipelined Keras step
     computes on the whole batch. Works for ``Sequential`` and functional
-    models (branches and skip connections included). A batch may hold fewer
-    examples than ``microbatches`` (a short last batch): the empty
-    micro-batches cost nothing.
+    models (branches, skip connections and shared layers included). A batch
+    may hold fewer examples than ``microbatches`` (a short last batch): the
+    empty micro-batches cost nothing. Raises ``ValueError`` for a trainable
+    ``BatchNormalization`` with ``microbatches > 1`` (see
+    :func:`batch_statistics_problem`).
 
     Example:
       >>> loss, y_pred, grads = microbatch_gradients(model, plan, (x, y), 4)  # doctest: +SKIP
@@ -191,6 +223,9 @@ def microbatch_gradients(model, plan, data, microbatches):
         raise ValueError(
             f"micro-batch pipelining needs a Sequential or functional model: {problem}"
         )
+    problem = batch_statistics_problem(model, microbatches)
+    if problem is not None:
+        raise ValueError(problem)
     x, y, sample_weight = _unpack(data)
     stages, model_inputs, model_outputs = _stages(model, plan)
     flat_x = _flat_inputs(model, x)

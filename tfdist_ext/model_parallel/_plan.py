@@ -278,8 +278,10 @@ def _crossing_bytes(model, layers):
         made[id(t)], size[id(t)] = -1, _tensor_bytes(t)
     for op, node in _integration.graph_nodes(model):
         inputs = [made.get(id(t), -1) for t in node.input_tensors]
-        # An operation that is not a layer runs where its last input is made.
-        p = position.get(id(op), max([0, *inputs]))
+        # A call runs at its layer's position or where its last input is made,
+        # whichever is later (as the pipeline runs it): an operation that is
+        # not a layer, or a shared layer's call after a later layer's.
+        p = max([position.get(id(op), 0), *inputs])
         for t in node.input_tensors:
             last_use[id(t)] = max(last_use.get(id(t), -1), p)
         for t in node.outputs:

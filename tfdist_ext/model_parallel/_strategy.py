@@ -226,7 +226,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     activations cross stage boundaries. ``fit``, ``evaluate``, ``predict`` and
     save/load work as usual. With ``microbatches > 1`` each training batch is
     split into micro-batches that flow through the stages GPipe-style, so
-    devices work at the same time; the gradients equal the unpipelined step's.
+    devices work at the same time; the gradients equal the unpipelined step's
+    (``fit`` refuses at once a model whose step micro-batches would change:
+    a trainable ``BatchNormalization``, which normalizes with the statistics
+    of the batch it sees).
 
     Where variables are created: with an explicit ``partition``, on their
     layer's device; with ``device_budget_bytes``, the devices fill in order as
@@ -246,8 +249,11 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         follow the previous layer).
       microbatches: micro-batches per training step (>= 1). ``Sequential`` and
         functional models (branches, skip connections and several inputs or
-        outputs included: stages are cut on a topological order of the layer
-        graph) are pipelined. A subclassed model with its own ``call`` cannot
+        outputs, and shared layers called at several places included: stages
+        are cut on a topological order of the layer graph) are pipelined. A
+        trainable ``BatchNormalization`` layer cannot be (``fit`` refuses it at
+        once: use ``microbatches=1`` or ``LayerNormalization``/
+        ``GroupNormalization``). A subclassed model with its own ``call`` cannot
         be cut into stages: ``fit`` refuses it at once (train it with
         ``microbatches=1``; ``evaluate``/``predict`` work either way). A model
         that overrides ``train_step`` has its own step run as written, on
@@ -264,6 +270,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         weights, one column shard per device, variables and matmuls on the
         shards' devices (``strategy.plan.splits`` reports it; the model must be
         ``Sequential``). ``False``: such a layer raises ``ValueError``.
+
+    Build the model inside ``scope()`` (or call ``fit`` inside it): Keras runs
+    the steps of a model built outside with the strategy of the scope ``fit``
+    is called in, and ``fit`` refuses such a model compiled in this scope.
 
     Attributes:
       plan: the :class:`Plan` of the most recently placed model (``None``
@@ -310,6 +320,7 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         if not isinstance(split_large_layers, bool):
             raise ValueError(f"split_large_layers must be a bool, got {split_large_layers!r}")
         _integration.install_trainer_hooks()
+        _integration.install_optimizer_hooks()  # for _tfdist_build_optimizer
         super().__init__(
             ModelParallelExtended(
                 self,
@@ -432,13 +443,51 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         if ext._placing:
             return
         model = _integration.model_in_keras_call()
-        if model is None or not model.built or model in ext._placed:
+        if model is None or not model.built:
+            return
+        if model.distribute_strategy is not self:
+            self._refuse_foreign_steps(model)
+            return
+        if model in ext._placed:
             return
         ext._placing = True
         try:
             self.place(model)
         finally:
             ext._placing = False
+
+    def _tfdist_build_optimizer(self, optimizer, variables):
+        """Called before this strategy's ``optimizer`` creates its slots (see
+        ``_integration.install_optimizer_hooks``): slots made outside this
+        scope would fail in ``colocate_vars_with`` with a less helpful error."""
+        del optimizer, variables
+        model = _integration.model_in_keras_call()
+        if model is not None and model.built and model.distribute_strategy is not self:
+            self._refuse_foreign_steps(model)
+
+    def _refuse_foreign_steps(self, model):
+        """Refuses a model compiled in this scope whose steps Keras runs with
+        another strategy, when this strategy first sees it (the optimizer's
+        build or first update, while the first step is traced; nothing has
+        run yet).
+
+        Keras takes a model's strategy from the scope the model was built in,
+        or else from the scope ``fit`` is called in: a model built outside the
+        scope and trained outside it has its steps run by the default
+        strategy, so none of its layers would be placed or pipelined, and
+        placing it now, half-way through tracing a step, would break Keras's
+        step function.
+        """
+        if _integration.optimizer_strategy(getattr(model, "optimizer", None)) is not self:
+            return  # not compiled in this scope: not this strategy's model
+        other = model.distribute_strategy
+        raise ValueError(
+            f"model {model.name!r} was built outside strategy.scope() and is trained "
+            f"outside it, so Keras runs its steps with {type(other).__name__}, not this "
+            "ModelParallelStrategy: its layers would not be placed on "
+            f"{list(self.devices)}. Build the model inside strategy.scope() (or call "
+            "fit/train_on_batch inside strategy.scope())."
+        )
 
     def scope(self):  # pylint: disable=useless-super-delegation
         """The strategy's scope: variables created inside are placed by it."""
@@ -456,7 +505,14 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         return keras_train_on_batch(model, *args, **kwargs)
 
     def _check_trainable(self, model):
-        """Refuses, before anything runs, what cannot be trained with micro-batches."""
+        """Refuses, before anything runs, what cannot be trained on these devices."""
+        if model.jit_compile:
+            raise ValueError(
+                f"ModelParallelStrategy: jit_compile=True cannot hold for model "
+                f"{model.name!r}: its variables live on {list(self.devices)}, and XLA "
+                "compiles a step for one device. Compile with jit_compile=False (or "
+                "leave the default 'auto', which is False under a strategy)."
+            )
         if self.microbatches == 1:
             return
         overridden = _integration.overridden_step(model)
@@ -480,6 +536,9 @@ class ModelParallelStrategy(distribute_lib.Strategy):
                 "placed per stage), or build it as a Sequential or functional model. "
                 "(evaluate and predict need no micro-batches and work either way.)"
             )
+        problem = _pipeline.batch_statistics_problem(model, self.microbatches)
+        if problem is not None:
+            raise ValueError(problem)
 
     def run(self, fn, args=(), kwargs=None, options=None):
         """As ``tf.distribute.Strategy.run``; a model's ``train_step`` is pipelined."""
