@@ -272,7 +272,7 @@ def profile(cfg):
 
     runtime = strategy._runtime
     round_fn = runtime.round_for(model)
-    iterator = runtime.per_worker_iterator(runtime._sources[-1][1])
+    batches = _round.round_input(list(train.take(steps)))
 
     def timed(fn, args=()):
         out = []
@@ -287,7 +287,7 @@ def profile(cfg):
         "fetch_ms": timed(fetch),
         "push_ms": timed(push_zero),
     }
-    args = (iterator, runtime.worker_index(), tf.constant(steps, tf.int32))
+    args = (batches, runtime.worker_index(), tf.constant(steps, tf.int32))
     tasks = _tasks(cluster)
     before = {k: _cpu_seconds(v) for k, v in tasks.items()}
     time.sleep(2.0)

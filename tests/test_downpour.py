@@ -7,6 +7,7 @@ test at its deadline rather than hang the suite.
 
 import json
 
+import numpy as np
 import pytest
 
 from tfdist_ext.cluster import LocalCluster
@@ -189,13 +190,15 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     for name, n in (("Adagrad-1", 1), ("SGD-5", 5), ("Adam-4", 4), ("SGD-2", 2)):
         run = r[name]
         assert run["loss"][1] < run["loss"][0], name
-        assert run["pushes"] == 80 // n, name
+        # A push every n steps, and at the end of each epoch's first round
+        # (one batch, whose logs the callbacks' first wait for) when n > 1.
+        assert 80 // n <= run["pushes"] <= 80 // n + (2 if n > 1 else 0), name
         # `iterations` counts training steps (batches), as in plain Keras.
         assert run["iterations"] == 80, name
         # One fetch per n steps, the last of each round for the worker's
         # next round, and one more for each worker's first round of the fit.
-        assert 1 <= run["fresh"] <= 2, name
-        assert run["push"] == pytest.approx(run["params"] / n), name
+        assert 1 <= run["fresh"] <= 4, name
+        assert run["push"] == pytest.approx(run["params"] * run["pushes"] / 80), name
         assert run["fetch"] == pytest.approx(run["params"] * run["fetches"] / 80), name
 
 
@@ -284,12 +287,16 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
         h = model.fit(poisoned, epochs=1, steps_per_epoch=30, verbose=0)
     finite = all(bool(np.isfinite(v.numpy()).all()) for v in model.variables)
     report(rejected=h.history["rejected_pushes"], pushes=h.history["pushes"], finite=finite,
-           warnings=[str(w.message) for w in caught if "NaN" in str(w.message)])
+           warnings=[str(w.message) for w in caught if "NaN" in str(w.message)],
+           per_worker=list(strategy.stats.steps_per_worker.values()))
 """,
         timeout=280,
     )
     r = _result(proc)
-    assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == 30 // steps_per_push
+    # A push (an exchange, for EASGD) every steps_per_push of a worker's steps.
+    expected = sum(steps // steps_per_push for steps in r["per_worker"])
+    assert sum(r["per_worker"]) == 30, r
+    assert r["rejected"][0] > 0 and r["rejected"][0] + r["pushes"][0] == expected, r
     assert r["finite"], "server parameters must stay finite"
     assert r["warnings"] and "rejected" in r["warnings"][0]
 
@@ -615,3 +622,33 @@ report(errors=errors, devices=devices)
         else:
             assert counts.get(ps0) and counts.get(ps1), (name, counts)
             assert set(counts) == {ps0, ps1}, (name, counts)
+
+
+@pytest.mark.timeout(300)
+def test_two_strategies_on_one_cluster_both_keep_their_models(script):
+    # Issue 38, item 6: a notebook compares two settings on one cluster. Both
+    # models train and evaluate, and leaving the cluster brings both models'
+    # final parameters back (the first strategy's close must not cut the
+    # second one's connection).
+    proc = script(
+        PRELUDE
+        + """
+keras.utils.set_random_seed(0)
+x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
+models, before = [], []
+with LocalCluster(num_workers=2, num_ps=1) as cluster:
+    for n in (1, 2):
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=n, n_push=n)
+        with strategy.scope():
+            model = compile(mlp())
+        model.fit(digits_train(), epochs=1, steps_per_epoch=40, verbose=0)
+        models.append(model)
+    before = [m.evaluate(x_test, y_test, verbose=0) for m in models]
+after = [m.evaluate(x_test, y_test, verbose=0) for m in models]
+report(before=before, after=after)
+""",
+        timeout=280,
+    )
+    r = _result(proc)
+    np.testing.assert_allclose(r["after"], r["before"], rtol=1e-5)
+    assert all(accuracy > 0.5 for _, accuracy in r["after"]), r

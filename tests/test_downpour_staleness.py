@@ -68,7 +68,8 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
                                            staleness_policy=POLICY)
     with strategy.scope():
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        model.compile(optimizer=OPTIMIZER, loss="mse")
+        # Keras's calls of 4 batches: the 4 steps are one round, one fetch block.
+        model.compile(optimizer=OPTIMIZER, loss="mse", steps_per_execution=4)
     w0 = [w.numpy().tolist() for w in model.trainable_weights]
     model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
               verbose=0)

@@ -444,7 +444,6 @@ REFUSALS = {
     ("sandblaster", "mixed_float16"): "mixed_float16",  # L-BFGS has no loss scaling
     # EASGD's replica lives on the worker; a user's train_step would update the centre.
     ("elastic", "custom_train_step"): "compute_loss override",
-    ("elastic", "mixed_float16"): "LossScaleOptimizer",  # the local update is plain SGD
 }
 
 # Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).

@@ -181,6 +181,33 @@ def test_a_model_compiled_with_lbfgs_loads_compiled_where_tfdist_ext_is_imported
     np.testing.assert_allclose(again.predict(x, verbose=0), model.predict(x, verbose=0))
 
 
+def test_a_saved_lbfgs_model_loads_in_a_fresh_process_after_import_tfdist_ext(script, tmp_path):
+    # Issue 38, item 8: the user's loading script imports keras and tfdist_ext
+    # (nothing of tfdist_ext's submodules) and loads the file compiled.
+    path = str(tmp_path / "lbfgs.keras")
+    script(
+        f"""
+import keras, numpy as np, tfdist_ext
+model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+model.compile(optimizer=tfdist_ext.optimizers.LBFGS(memory=4), loss="mse")
+model.save({path!r})
+np.save({path!r} + ".npy", model.predict(np.ones((2, 3), "float32"), verbose=0))
+"""
+    )
+    proc = script(
+        f"""
+import keras, numpy as np
+import tfdist_ext
+model = keras.models.load_model({path!r})
+assert type(model.optimizer).__name__ == "LBFGS" and model.optimizer.memory == 4
+np.testing.assert_allclose(model.predict(np.ones((2, 3), "float32"), verbose=0),
+                           np.load({path!r} + ".npy"))
+print("LOADED")
+"""
+    )
+    assert "LOADED" in proc.stdout
+
+
 def test_strategy_argument_errors():
     import tensorflow as tf
 

@@ -16,6 +16,7 @@ Example:
 
 import importlib
 import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
@@ -67,6 +68,32 @@ def __getattr__(name):
     if name in _NAMES:
         return getattr(importlib.import_module(_NAMES[name]), name)
     raise AttributeError(f"module 'tfdist_ext' has no attribute {name!r}")
+
+
+def _register_keras_objects():
+    """Imports every module that registers a Keras-serializable class."""
+    for name in (
+        "callbacks",
+        "compression",
+        "downpour",
+        "layers",
+        "model_parallel",
+        "optimizers",
+        "schedules",
+    ):
+        importlib.import_module(f"tfdist_ext.{name}")
+
+
+# keras.models.load_model finds a class a .keras file names (the LBFGS or LARS
+# optimizer, a schedule, a layer, a compressor) only once its module has
+# registered it. Where Keras is loaded already (it is imported before
+# tfdist_ext in any script that uses both), `import tfdist_ext` registers them;
+# otherwise the package stays light (`tfdist-ext server` imports no Keras).
+if "keras" in sys.modules:
+    try:
+        _register_keras_objects()
+    except ImportError:
+        pass  # an untested Keras: the same error comes, whole, where a strategy is used
 
 
 def __dir__():

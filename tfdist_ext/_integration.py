@@ -49,6 +49,11 @@ What we rely on, and why no public API does it:
   ``KerasVariable._value`` (a slot points at its piece while the update is
   traced) and ``TFOptimizer._var_key``'s ``_distributed_container`` hook (how
   the piece finds its variable's slots).
+* ``BaseOptimizer``'s backend-neutral update (``stateless_apply``,
+  ``assign*``, ``_apply_weight_decay``, ``_backend_update_step``) and
+  ``TFOptimizer._var_key``: elastic averaging runs the compiled optimizer's
+  update on each replica's tensors (:func:`stateless_apply`), which Keras's
+  TensorFlow optimizer refuses.
 * ``ParameterServerStrategyV2Extended``: Downpour and Sandblaster place
   variables through a subclass of it, which :func:`use_extended` installs
   in place of the one TensorFlow's ``__init__`` builds.
@@ -151,6 +156,13 @@ def _check_sets(owner, method, attr):
 (train_validation_split,) = _import(
     "keras.src.trainers.data_adapters.array_slicing", "train_validation_split"
 )
+(get_data_adapter,) = _import("keras.src.trainers.data_adapters", "get_data_adapter")
+if get_data_adapter is not None:
+    _params = set(inspect.signature(get_data_adapter).parameters)
+    _wanted = ("x", "y", "sample_weight", "batch_size", "shuffle", "class_weight")
+    for _name in _wanted:
+        if _name not in _params:
+            _problems.append(f"keras get_data_adapter no longer takes {_name}")
 #: Public since Keras 3.0.
 unpack_x_y_sample_weight = keras.utils.unpack_x_y_sample_weight
 
@@ -173,6 +185,18 @@ if TensorFlowTrainer is not None:
     )
     _check(TensorFlowTrainer, "compute_metrics", params=("x", "y", "y_pred", "sample_weight"))
     _check(TensorFlowTrainer, "get_metrics_result")
+    _check(TensorFlowTrainer, "_maybe_symbolic_build", params=("iterator", "data_batch"))
+    _check_source(TensorFlowTrainer._maybe_symbolic_build, "for _, _, it in iterator:")
+(PyDatasetEnqueuer,) = _import(
+    "keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetEnqueuer"
+)
+(EpochIterator,) = _import("keras.src.trainers.epoch_iterator", "EpochIterator")
+if EpochIterator is not None:
+    _check_sets(EpochIterator, "__init__", "data_adapter")
+if PyDatasetEnqueuer is not None:
+    _check_sets(PyDatasetEnqueuer, "__init__", "ready_queue")
+    _check_source(PyDatasetEnqueuer.stop, "self.ready_queue.put(inputs)")
+    _check(PyDatasetEnqueuer, "stop", params=("drain_queue_and_join",))
 if TFOptimizer is not None:
     _check(TFOptimizer, "_all_reduce_sum_gradients", params=("grads_and_vars",))
     # A split variable's piece finds its slots through this hook (_ps_strategy).
@@ -221,6 +245,27 @@ if BaseOptimizer is not None:
     _check(BaseOptimizer, "_get_current_learning_rate")
     _check_source(BaseOptimizer.learning_rate.fget, "self._get_current_learning_rate()")
     _check_source(BaseOptimizer._backend_apply_gradients, "self.learning_rate")
+
+# Elastic averaging updates each replica with Keras's backend-neutral
+# optimizer, on tensors (stateless_apply): the TensorFlow optimizer's
+# in-place versions of these are set aside while the update is traced.
+_IN_PLACE_UPDATES = (
+    "stateless_apply",
+    "assign",
+    "assign_add",
+    "assign_sub",
+    "_apply_weight_decay",
+    "_backend_update_step",
+)
+if BaseOptimizer is not None and TFOptimizer is not None:
+    _check(
+        BaseOptimizer,
+        "stateless_apply",
+        params=("optimizer_variables", "grads", "trainable_variables"),
+    )
+    for _name in _IN_PLACE_UPDATES:
+        _check(BaseOptimizer, _name)
+        _check(TFOptimizer, _name)
 
 # -- TensorFlow -------------------------------------------------------------
 
@@ -304,6 +349,9 @@ if ParameterServerStrategyV2Extended is not None and distribute_lib is not None:
 (coordinator_values,) = _import("tensorflow.python.distribute.coordinator", "values")
 if coordinator_lib is not None and coordinator_values is not None:
     _check(coordinator_lib.Worker, "create_resource", params=("function", "args"))
+    _check(coordinator_lib, "_maybe_as_type_spec", params=("val",))
+    _check(coordinator_lib, "_select_worker_slice", params=("worker_id", "structured"))
+    _check_source(coordinator_lib.Closure.__init__, "_select_worker_slice(0, self._args)")
     _check_source(coordinator_lib.ClusterCoordinator.__init__, "self._cluster = Cluster(")
     _check_source(coordinator_lib.Cluster.__init__, "self.workers = ")
     _check_source(coordinator_values.RemoteValueImpl.__init__, "self._status = ")
@@ -324,6 +372,13 @@ if eager_context is not None:
     _check(eager_context.Context, "update_server_def", params=("server_def",))
 if keras.Variable is not None:
     _check(keras.Variable, "_initialize", params=("value",))
+
+# compressed strategies: which cross-device ops a mirrored strategy uses (Keras's
+# multi-step fit loop fails with the default collectives, not with reduction
+# to one device).
+(MirroredExtended,) = _import("tensorflow.python.distribute.mirrored_strategy", "MirroredExtended")
+if MirroredExtended is not None:
+    _check_source(MirroredExtended.__init__, "self._cross_device_ops = cross_device_ops")
 
 # compressed strategies: where MirroredStrategy / MultiWorkerMirroredStrategy
 # start their collective group keys (read from the strategy object by the
@@ -365,6 +420,18 @@ def loss_tracker(model):
 def compiled_metrics(model):
     """The model's compiled metrics container, or ``None`` before it is built."""
     return getattr(model, "_compile_metrics", None)
+
+
+def compiled_loss_metrics(model):
+    """The per-output loss trackers (``<output>_loss`` in ``fit``'s logs) that
+    Keras's compiled loss updates inside ``compute_loss``; ``[]`` for one output."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    return [] if compile_loss is None else list(compile_loss.metrics)
+
+
+def sublayers(layer):
+    """``layer`` and every layer it tracks, recursively (custom layers' too)."""
+    return list(layer._flatten_layers(include_self=True, recursive=True))
 
 
 def added_losses(layer):
@@ -535,6 +602,50 @@ def scaled_learning_rate(optimizer, factor):
         del optimizer._get_current_learning_rate
 
 
+def stateless_apply(optimizer, optimizer_values, grads, values, variables):
+    """Keras's ``optimizer.stateless_apply``, under the TensorFlow backend too.
+
+    Returns ``(new values, new optimizer values)``: the optimizer's update by
+    ``grads`` of ``values`` (tensors for ``variables``, the trainable
+    variables the optimizer was built with) and of ``optimizer_values``
+    (tensors for ``optimizer.variables``); no variable is written. Keras's
+    TensorFlow optimizer refuses ``stateless_apply`` because its update
+    writes through ``tf.distribute``; here, while the update is traced, the
+    optimizer (and a ``LossScaleOptimizer``'s inner one) updates as Keras's
+    backend-neutral optimizer does, clipping, weight decay and constraints
+    included.
+    """
+    parts = [optimizer]
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        parts.append(optimizer.inner_optimizer)
+    with one_trace_at_a_time(), contextlib.ExitStack() as stack:
+        for part in parts:
+            stack.enter_context(_backend_neutral(part, variables))
+        return optimizer.stateless_apply(optimizer_values, grads, values)
+
+
+@contextlib.contextmanager
+def _backend_neutral(optimizer, variables):
+    """Within the block, ``optimizer`` updates as ``BaseOptimizer`` does (see :func:`stateless_apply`)."""
+    methods = {
+        name: getattr(BaseOptimizer, name).__get__(optimizer)
+        for name in _IN_PLACE_UPDATES
+        if getattr(type(optimizer), name) is getattr(TFOptimizer, name)
+    }
+    # A slot is found by its variable's key, which TensorFlow's optimizer
+    # reads from the variable's value: a tensor inside the StatelessScope.
+    keys = {id(v): optimizer._var_key(v) for v in variables}
+    var_key = optimizer._var_key
+    methods["_var_key"] = lambda v: keys[id(v)] if id(v) in keys else var_key(v)
+    # Instance attributes (not the class's): this optimizer only, only while traced.
+    vars(optimizer).update(methods)
+    try:
+        yield
+    finally:
+        for name in methods:
+            vars(optimizer).pop(name, None)
+
+
 # -- hooks --------------------------------------------------------------------
 
 _HOOK_LOCK = threading.Lock()
@@ -582,7 +693,32 @@ def install_trainer_hooks():
             return original_logs(self, logs)
 
         TensorFlowTrainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
+        _wrap_symbolic_build()
         _TRAINER_HOOKED = True
+
+
+def _wrap_symbolic_build():
+    """Under a strategy (only there) Keras builds the model from one batch of an
+    epoch it then abandons. A threaded or multiprocess ``PyDataset``'s
+    enqueuer keeps what it prefetched for that epoch and yields it first in
+    the next, so the first real epochs train the wrong batches. Under a
+    tfdist_ext strategy, what the abandoned epoch prefetched is dropped."""
+    original = TensorFlowTrainer._maybe_symbolic_build
+
+    @functools.wraps(original)
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        result = original(self, iterator=iterator, data_batch=data_batch)
+        strategy = _strategy_of(self)
+        enqueuer = getattr(getattr(iterator, "data_adapter", None), "enqueuer", None)
+        if enqueuer is not None and type(strategy).__module__.startswith("tfdist_ext."):
+            # Keras's reset, next, stops the enqueuer, keeping its prefetched
+            # batches for the next run: stop it here and drop them.
+            enqueuer.stop()
+            while not enqueuer.ready_queue.empty():
+                enqueuer.ready_queue.get_nowait()
+        return result
+
+    TensorFlowTrainer._maybe_symbolic_build = _maybe_symbolic_build
 
 
 def _wrap_entry_point(name):
@@ -722,6 +858,20 @@ def per_worker_resource(worker, function, args, type_spec):
     if type_spec is not None:
         remote._type_spec = type_spec
     return remote
+
+
+def scheduled_arg_specs(structure):
+    """What ``ClusterCoordinator.schedule`` traces a function with for these
+    arguments: per-worker values as worker 0's value's type spec, the rest as
+    they are."""
+    sliced = coordinator_lib._select_worker_slice(0, structure)
+    return tf.nest.map_structure(coordinator_lib._maybe_as_type_spec, sliced)
+
+
+def reduces_to_one_device(strategy):
+    """Whether a ``MirroredStrategy`` sums through ``ReductionToOneDevice``."""
+    ops = getattr(strategy.extended, "_cross_device_ops", None)
+    return isinstance(ops, tf.distribute.ReductionToOneDevice)
 
 
 def remote_value_status(remote):

@@ -14,7 +14,8 @@ What happens
    variables and the optimizer's state are created on the ``ps`` task
    (split across ``ps`` tasks when there are several).
 3. ``model.fit`` runs Downpour: each worker is an asynchronous model replica
-   with its own shard of the data and its own copy of the parameters. It
+   with its own copy of the parameters, trained on the batches Keras's own
+   data pipeline reads on the chief (every example once per epoch). It
    fetches fresh parameters every ``n_fetch`` steps and pushes its summed
    gradients every ``n_push`` steps; the ps applies the compiled optimizer
    (Adagrad, as in the paper) to each push. Replicas never wait for each

@@ -13,7 +13,6 @@ error, not a hang). Importing this module imports TensorFlow.
 import contextlib
 import gc
 import threading
-import warnings
 import weakref
 
 import keras
@@ -31,14 +30,14 @@ _PSSV2Extended = _integration.ParameterServerStrategyV2Extended
 
 
 def check_compiled_for_workers(model, owner):
-    """Refuses ``run_eagerly`` and warns that ``jit_compile`` goes unused, at ``fit`` start.
+    """Refuses, at ``fit`` start, compile options the workers' traced step cannot honour.
 
     Downpour's rounds and Sandblaster's slices run as traced functions on
     the workers, reading and updating the parameters on the ``ps`` tasks
     (as TensorFlow's ParameterServerStrategy, which refused ``run_eagerly``
-    too). XLA cannot compile those remote reads and updates: as Keras does
-    for a model that does not support ``jit_compile``, the step runs
-    without it, and says so.
+    too); XLA cannot compile those remote reads and updates. The
+    optimizer's ``gradient_accumulation_steps`` would accumulate on the
+    ``ps`` tasks across concurrent pushes, which is not what Keras does.
     """
     if model.run_eagerly:
         raise ValueError(
@@ -48,11 +47,23 @@ def check_compiled_for_workers(model, owner):
             "without the strategy)."
         )
     if model.jit_compile:
-        warnings.warn(
-            f"{owner}: jit_compile=True is not used: the step reads and updates the "
-            "parameters on the ps tasks, which XLA cannot compile. Proceeding with "
-            "jit_compile=False.",
-            stacklevel=5,  # the user's fit (through the trainer hook and the strategy)
+        raise ValueError(
+            f"{owner}: jit_compile=True cannot hold: the step reads and updates the "
+            "parameters on the ps tasks, which XLA cannot compile. Compile with "
+            "jit_compile=False (or leave the default 'auto', which is False under a "
+            "strategy)."
+        )
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    steps = getattr(optimizer, "gradient_accumulation_steps", None)
+    if steps:
+        advice = {
+            "DownpourStrategy": "set n_push instead: each push sums the gradients of "
+            "n_push local steps (summed, not averaged: scale the learning rate by "
+            "1/n_push for Keras's averaged accumulation)",
+        }.get(owner, "compile the optimizer without it")
+        raise ValueError(
+            f"{owner}: the optimizer's gradient_accumulation_steps={steps} is not "
+            f"supported; {advice}."
         )
 
 
@@ -78,6 +89,9 @@ class ParameterServerBase(_PSSV2):
     """
 
     _owner = "ParameterServerBase"
+    # The open strategies of this process: they share its one connection to
+    # the cluster, which only the last of them to close may end.
+    _open = weakref.WeakSet()
 
     def __init__(self, cluster_resolver, *, min_shard_bytes, deadline):
         owner = self._owner
@@ -109,6 +123,7 @@ class ParameterServerBase(_PSSV2):
         _integration.use_extended(self, PlacementExtended(self, cluster_resolver, partitioner))
         _make_sharded_variables_readable()
         self._closed = False
+        ParameterServerBase._open.add(self)
         attach_to_local_cluster(cluster_resolver, self)
 
     @property
@@ -159,6 +174,7 @@ class ParameterServerBase(_PSSV2):
         if self._closed:
             return
         self._closed = True
+        ParameterServerBase._open.discard(self)
         # TensorFlow logs an RPC error for every message to a dead task;
         # those tasks are known here, the lines would say nothing new.
         dead = self._dead_tasks()
@@ -175,7 +191,8 @@ class ParameterServerBase(_PSSV2):
                 )
             finally:
                 gc.collect()  # remote handles go while their tasks still answer
-                _integration.disconnect_from_cluster()
+                if not ParameterServerBase._open:
+                    _integration.disconnect_from_cluster()
 
     def _check_open(self):
         if self._closed:

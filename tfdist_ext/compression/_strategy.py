@@ -113,9 +113,10 @@ class _CompressedExchange:
             yield self
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        call = inspect.signature(keras_fit).bind(model, *args, **kwargs)
+        _refuse_what_keras_mirrored_breaks(model, self, call.arguments.get("x"))
         if not self._compression.follows_epochs:
             return keras_fit(model, *args, **kwargs)
-        call = inspect.signature(keras_fit).bind(model, *args, **kwargs)
         clock = _EpochClock(self._epoch_variable())
         callbacks = call.arguments.get("callbacks")
         if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -127,6 +128,14 @@ class _CompressedExchange:
             return keras_fit(*call.args, **call.kwargs)
         finally:
             self._fits_running -= 1
+
+    def _tfdist_predict_on_batch(self, model, keras_predict_on_batch, args, kwargs):
+        """``model.predict_on_batch(x)``: Keras's own, under a mirrored strategy,
+        runs the whole batch on every replica and returns one copy per
+        replica; ``predict`` over that one batch returns it once."""
+        x = inspect.signature(keras_predict_on_batch).bind(model, *args, **kwargs).arguments["x"]
+        size = len(tf.nest.flatten(x)[0])
+        return model.predict(x, batch_size=size, verbose=0)
 
     def _tfdist_build_optimizer(self, optimizer, variables):
         self._check_variable_dtypes(variables)
@@ -418,6 +427,40 @@ class _CompressedExchange:
         # Includes the two all-reduce rounds: PowerSGD interleaves them.
         counters["seconds"].assign_add(t1 - t0)
         return reduced, sent
+
+
+def _refuse_what_keras_mirrored_breaks(model, strategy, x):
+    """Refuses, at ``fit`` start, what Keras 3's ``fit`` cannot run under a
+    mirrored strategy (``tf.distribute.MirroredStrategy`` fails the same way,
+    after the first step has started, or trains the wrong examples)."""
+    owner = type(strategy).__name__
+    if isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x):
+        kind = "PyDataset" if isinstance(x, keras.utils.PyDataset) else "Python generator"
+        raise ValueError(
+            f"{owner}: fit's input is a {kind}; split over the replicas of a mirrored "
+            "strategy, Keras's Python-side input is read so that some examples are "
+            "never trained (tf.distribute.MirroredStrategy too, intermittently). Pass "
+            "NumPy arrays or a tf.data.Dataset of tensors or files instead."
+        )
+    optimizer = getattr(model.optimizer, "inner_optimizer", model.optimizer)
+    broken = {
+        "jit_compile=True": (model.jit_compile, "compile with jit_compile=False"),
+        f"steps_per_execution={model.steps_per_execution} with collective all-reduce": (
+            model.steps_per_execution > 1 and not _integration.reduces_to_one_device(strategy),
+            "compile with steps_per_execution=1, or pass "
+            "cross_device_ops=tf.distribute.ReductionToOneDevice() to the strategy",
+        ),
+        f"gradient_accumulation_steps={getattr(optimizer, 'gradient_accumulation_steps', None)}": (
+            bool(getattr(optimizer, "gradient_accumulation_steps", None)),
+            "compile the optimizer without it and raise the batch size instead",
+        ),
+    }
+    for feature, (used, advice) in broken.items():
+        if used:
+            raise ValueError(
+                f"{owner}: {feature} is not supported: Keras's step fails with it under "
+                f"a mirrored strategy (tf.distribute.MirroredStrategy too); {advice}."
+            )
 
 
 def _mean_aggregated_statistics(next_creator, **kwargs):

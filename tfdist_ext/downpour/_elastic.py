@@ -1,5 +1,6 @@
 """ElasticAveragingStrategy: asynchronous EASGD for Keras 3 ``model.fit``."""
 
+import contextlib
 import numbers
 
 import keras
@@ -11,71 +12,62 @@ from tfdist_ext.cluster._ps_strategy import split_paths
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour._strategy import DownpourStrategy
 
-# Optimizer settings the local SGD step does not implement; ``fit`` refuses
-# them rather than ignore them.
-_UNSUPPORTED = ("weight_decay", "clipnorm", "clipvalue", "global_clipnorm", "use_ema")
+# Optimizer options a replica's update cannot honour, with what to do
+# instead; ``fit`` refuses them rather than ignore them.
+_UNSUPPORTED = {
+    "use_ema": (
+        "its moving average would be of each worker's replica, never of the centre "
+        "that evaluate() and save() see",
+        "Compile without use_ema (the centre already averages the replicas)",
+    ),
+    "gradient_accumulation_steps": (
+        "Keras accumulates gradients in variables written inside a cond, which an "
+        "update on a replica's local tensors cannot carry out of it",
+        "Compile without it and raise the batch size instead",
+    ),
+}
 
 
 class ElasticAveragingStrategy(DownpourStrategy):
-    """Asynchronous elastic averaging SGD (Zhang, Choromanska, LeCun 2015).
+    """Asynchronous elastic averaging (Zhang, Choromanska, LeCun 2015).
 
     A centre variable, the model's own weights, lives on the ``ps`` tasks.
-    Each ``worker`` task keeps a replica of its own and trains it locally
-    with SGD (momentum and Nesterov as in the compiled
-    ``keras.optimizers.SGD``: the paper's EASGD and EAMSGD); every ``tau``
-    local steps it exchanges the elastic difference with the centre, with
-    no other replica waiting::
+    Each ``worker`` task trains a replica of its own with the model's compiled
+    optimizer (any Keras optimizer, ``weight_decay`` and clipping included:
+    SGD with momentum is the paper's EAMSGD; Adagrad or Adam train as local
+    SGD/DiLoCo's inner optimizers do); every ``tau`` of its local steps
+    (across rounds) it exchanges the elastic difference with the centre, no
+    other replica waiting (the model's bytes cross once each way)::
 
         d = alpha * (x_i - centre)     # computed on the ps, against its current centre
         x_i    <- x_i - d              # the replica moves toward the centre
         centre <- centre + d           # the centre moves toward the replica
 
-    The replica sends ``x_i`` and gets ``d`` back: per exchange, the model's
-    bytes once each way, against Downpour's push and fetch at every
-    ``n_push``/``n_fetch`` steps. ``evaluate``, ``predict``, ``save`` and
-    checkpoints see the centre, the model the paper evaluates.
-
-    Everything else is Downpour's (this class extends ``DownpourStrategy``):
-    ``fit`` schedules rounds of many local steps on whichever worker is free;
-    the logs hold ``staleness_mean``/``staleness_max`` (here: the other
-    replicas' exchanges with the centre since this replica's previous one),
-    ``pushes`` (exchanges) and bytes per step. A killed worker loses only the
-    local steps of its current round: each replica's weights (and momentum)
-    are kept on the ``ps`` tasks between rounds, so the worker resumes from
-    its last round when it is back; the others carry on meanwhile. A replica
-    whose weights become NaN or Inf does not exchange (counted in
-    ``rejected_pushes``, with a warning) and restarts from the centre. A lost
-    ``ps`` task stops ``fit`` with a clear error. Epoch after epoch and
-    ``fit`` after ``fit`` continue the replicas; an epoch that starts after
-    the centre's weights were set (or loaded) starts each replica from the
-    centre.
-
-    ``fit`` refuses, before the first step: an optimizer other than
-    ``keras.optimizers.SGD`` (EASGD's local update is SGD; wrap nothing,
-    ``mixed_float16``'s ``LossScaleOptimizer`` included), SGD's
-    ``weight_decay``/clipping/EMA options, a model that overrides
-    ``train_step`` (it would read and update the centre, not the replica),
-    and weights split across ``ps`` tasks (raise ``min_shard_bytes``). A
-    ``compute_loss`` override is honoured.
+    ``evaluate``, ``predict``, ``save`` and checkpoints see the centre. Each
+    replica's weights and own copy of the optimizer's state (slots,
+    ``iterations``, which a learning-rate schedule counts, a
+    ``LossScaleOptimizer``'s scale) are kept on the ``ps`` tasks between
+    rounds: a killed worker resumes from its last round. The learning rate is
+    the compiled optimizer's (a callback setting it reaches every replica);
+    ``optimizer.iterations`` counts the steps exchanged into the centre. As
+    in Downpour, the logs hold ``staleness_*`` (the other replicas' exchanges
+    since this one's last), ``pushes`` (exchanges) and bytes. A replica
+    turned NaN or Inf skips its exchange (``rejected_pushes``) and restarts
+    from the centre with a fresh optimizer state, as all do in an epoch that
+    starts after the centre's weights were set or loaded. ``fit`` refuses,
+    before the first step: ``use_ema``, ``gradient_accumulation_steps``, a
+    ``train_step`` override (it would update the centre; ``compute_loss`` is
+    honoured), split weights.
 
     Args:
-      cluster_resolver: resolver of a cluster with ``chief`` (this process),
-        ``worker`` and ``ps`` jobs, e.g. ``LocalCluster(...).resolver``.
-      alpha: the moving rate of one exchange, in ``(0, 1)``; default
-        ``0.9 / num_workers`` (the paper's ``beta = num_workers * alpha = 0.9``).
-      tau: local steps between exchanges (the communication period).
-      min_shard_bytes: as ``DownpourStrategy``'s; EASGD needs every weight
-        whole on one ``ps`` task.
+      cluster_resolver: resolver of a cluster with ``chief``, ``worker`` and ``ps`` jobs.
+      alpha: the moving rate of one exchange, in ``(0, 1)``; default ``0.9 / num_workers``.
+      tau: a replica's local steps between its exchanges (the communication period).
+      min_shard_bytes: as ``DownpourStrategy``'s; every weight must stay whole.
       deadline: seconds any wait on another task may take before it fails.
 
-    Example:
-      >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
-      ...     strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=10)
-      ...     with strategy.scope():
-      ...         model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-      ...         model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9),
-      ...                       loss="sparse_categorical_crossentropy", metrics=["accuracy"])
-      ...     model.fit(train_ds, epochs=5, steps_per_epoch=200)
+    Example (then ``compile`` in ``strategy.scope()``, e.g. with ``keras.optimizers.Adam()``):
+      >>> strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=10)  # doctest: +SKIP
     """
 
     _owner = "ElasticAveragingStrategy"
@@ -103,7 +95,7 @@ class ElasticAveragingStrategy(DownpourStrategy):
 
     @property
     def tau(self):
-        """Local steps between exchanges with the centre (settable between ``fit`` calls)."""
+        """A replica's local steps between its exchanges (settable between ``fit`` calls)."""
         return self.n_push
 
     @tau.setter
@@ -152,7 +144,7 @@ def check_alpha(value):
 
 
 def check_trainable(model):
-    """Refuses, before the first step, what EASGD's local SGD cannot train."""
+    """Refuses, before the first step, what the replicas cannot train."""
     name = "ElasticAveragingStrategy"
     owner = _integration.overridden_step(model, "train_step")
     if owner is not None:
@@ -165,20 +157,14 @@ def check_trainable(model):
     optimizer = model.optimizer
     if optimizer is None:
         raise ValueError(f"{name}: compile the model before fit()")
-    if type(optimizer) is not keras.optimizers.SGD:
-        raise ValueError(
-            f"{name}: each replica's local update is SGD (EASGD; EAMSGD with momentum), "
-            f"so compile with keras.optimizers.SGD(learning_rate, momentum=...); got "
-            f"{type(optimizer).__name__}. (mixed_float16 wraps it in a LossScaleOptimizer, "
-            "which is not supported either.)"
-        )
-    config = optimizer.get_config()
-    used = [key for key in _UNSUPPORTED if config.get(key) not in (None, False)]
-    if used:
-        raise ValueError(
-            f"{name}: the local SGD step does not implement {', '.join(used)} of the "
-            "compiled optimizer; compile keras.optimizers.SGD without them"
-        )
+    for part in _with_inner(optimizer):
+        config = part.get_config()
+        for key, (why, instead) in _UNSUPPORTED.items():
+            if config.get(key) not in (None, False):
+                raise ValueError(
+                    f"{name}: the compiled {type(part).__name__} has {key}={config[key]!r}; "
+                    f"{why}. {instead}."
+                )
     split = split_paths(model.trainable_variables)
     if split:
         raise ValueError(
@@ -188,184 +174,293 @@ def check_trainable(model):
         )
 
 
-class _Replicas:
-    """Each worker's replica (and SGD momentum) between rounds, on the ps tasks.
+def _with_inner(optimizer):
+    """``optimizer``, and the one a ``LossScaleOptimizer`` wraps."""
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        return [optimizer, optimizer.inner_optimizer]
+    return [optimizer]
 
-    Row ``i`` of ``weights[j]`` is worker ``i``'s copy of trainable weight
-    ``j``, colocated with the weight; ``born[i]`` is the generation
-    that row belongs to (an older one restarts from the centre: see
-    ``DownpourRuntime.fit_generation``).
+
+class _OptimizerState:
+    """The compiled optimizer's variables as a replica has them.
+
+    A replica has its own copy of each (``kept``: slots, ``iterations``, a
+    ``LossScaleOptimizer``'s scale and counter) but the learning-rate
+    variable (``shared``), which every block reads from the compiled
+    optimizer so that a callback setting it reaches every replica.
     """
 
-    def __init__(self, strategy, trainable, momentum, generation):
+    def __init__(self, optimizer):
+        self.variables = list(optimizer.variables)
+        rate = optimizer.learning_rate  # the variable itself, unless a schedule
+        self.shared = [v for v in self.variables if v is rate]
+        self.kept = [v for v in self.variables if v is not rate]
+        self.counter = optimizer.iterations
+        self.scale_at = None
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            self.scale_at = next(i for i, v in enumerate(self.kept) if v is optimizer.dynamic_scale)
+
+    def fresh(self, variable):
+        """A fresh replica's value of ``variable`` (a weight or a kept one), read on its ps.
+
+        The compiled optimizer's own state is never updated by the rounds:
+        it is Keras's initial state (or one loaded); ``iterations`` starts
+        at 0, as in a newly built optimizer (Adam's bias correction counts
+        from the slots' start).
+        """
+        if variable is self.counter:
+            return tf.zeros(variable.shape, variable.dtype)
+        return tf.convert_to_tensor(variable.value.read_value())
+
+    def read_shared(self):
+        return [tf.convert_to_tensor(v.value.read_value()) for v in self.shared]
+
+    def merge(self, kept, shared):
+        """Values for all of ``optimizer.variables``, in their order."""
+        kept, shared = iter(kept), iter(shared)
+        return [next(shared) if self._is_shared(v) else next(kept) for v in self.variables]
+
+    def keep(self, values):
+        """The ``kept`` part of values for all of ``optimizer.variables``."""
+        return [t for v, t in zip(self.variables, values) if not self._is_shared(v)]
+
+    def scale(self, kept):
+        """The replica's dynamic loss scale (a ``LossScaleOptimizer``'s), or ``None``."""
+        return None if self.scale_at is None else kept[self.scale_at]
+
+    def _is_shared(self, variable):
+        return any(variable is v for v in self.shared)
+
+
+class _ReplicaLossScale:
+    """The loss scaling of a replica's step (``_round.keras_local_step``'s ``loss_scale``).
+
+    Under a ``LossScaleOptimizer`` the loss is scaled by the replica's own
+    dynamic scale (set with :meth:`using` while the step is traced) and the
+    gradients are left scaled: Keras's update unscales them, skips a
+    non-finite step and grows or halves that scale. Other optimizers:
+    ``scale_loss`` (a ``loss_scale_factor``, which their update unscales).
+    """
+
+    def __init__(self):
+        self.current = None
+
+    @contextlib.contextmanager
+    def using(self, scale):
+        self.current = scale
+        try:
+            yield
+        finally:
+            self.current = None
+
+    def read(self):
+        return self.current
+
+    def scale(self, optimizer, loss, scale):
+        if scale is None:
+            return optimizer.scale_loss(loss)
+        return loss * tf.cast(scale, loss.dtype)
+
+    def unscale(self, grads, scale):
+        return grads
+
+
+class _Replicas:
+    """Each worker's replica and optimizer state between rounds, on the ps tasks.
+
+    ``kept`` is the model's trainable weights, then the optimizer variables
+    a replica has a copy of (``_OptimizerState.kept``). Row ``i`` of
+    ``rows[j]`` is worker ``i``'s copy of ``kept[j]``, colocated with it;
+    ``since[i]`` counts its local steps since its last exchange (a period
+    of ``tau`` steps may span rounds); ``born[i]`` is the generation the row
+    belongs to (an older one starts afresh: ``DownpourRuntime.fit_generation``).
+    """
+
+    def __init__(self, strategy, trainable, state, generation):
         self.trainable = trainable
+        self.kept = trainable + state.kept
+        self.fresh = state.fresh
         self.generation = generation
-        self.homes = [_round.home(v) for v in trainable]
+        self.homes = [_round.home(v) for v in self.kept]
         workers = strategy.num_workers
-        self.weights, self.velocities = [], []
+        self.rows = []
         with strategy.scope():
             self.born = tf.Variable(
                 tf.fill([workers], tf.constant(-1, tf.int64)), trainable=False, name="easgd_born"
             )
-            for v in trainable:
+            with strategy.extended.colocate_vars_with(self.born):
+                self.since = tf.Variable(
+                    tf.zeros([workers], tf.int64), trainable=False, name="easgd_since"
+                )
+            for v in self.kept:
                 with strategy.extended.colocate_vars_with(v.value):
-                    shape = [workers, *v.shape]
-                    self.weights.append(
-                        tf.Variable(tf.zeros(shape, v.dtype), trainable=False, name="easgd_replica")
-                    )
-                    if momentum:
-                        self.velocities.append(
-                            tf.Variable(
-                                tf.zeros(shape, v.dtype), trainable=False, name="easgd_velocity"
-                            )
+                    self.rows.append(
+                        tf.Variable(
+                            tf.zeros([workers, *v.shape], v.dtype),
+                            trainable=False,
+                            name="easgd_replica",
                         )
+                    )
 
     def load(self, worker):
-        """The worker's replica and momentum: its saved row, or the centre and zeros."""
+        """``(weights, optimizer state, steps since the last exchange)`` of the
+        worker's replica: its saved row, or a fresh replica."""
         index = tf.reshape(tf.cast(worker, tf.int64), [1])
         fresh = tf.not_equal(self.born.sparse_read(index)[0], self.generation.read_value())
-        weights = []
-        for v, rows in zip(self.trainable, self.weights):
+        values = []
+        for v, rows in zip(self.kept, self.rows):
             with tf.device(v.value.device):
-                weights.append(
+                values.append(
                     tf.cond(
                         fresh,
-                        lambda v=v: tf.convert_to_tensor(v.value.read_value()),
+                        lambda v=v: self.fresh(v),
                         lambda rows=rows: rows.sparse_read(index)[0],
                     )
                 )
-        velocities = []
-        for v, rows in zip(self.trainable, self.velocities):
-            with tf.device(v.value.device):
-                velocities.append(
-                    tf.cond(
-                        fresh,
-                        lambda v=v: tf.zeros(v.shape, v.dtype),
-                        lambda rows=rows: rows.sparse_read(index)[0],
-                    )
-                )
-        weights = _round.one_transfer_per_task(weights, self.homes, to_ps=False)
-        velocities = _round.one_transfer_per_task(
-            velocities, self.homes[: len(velocities)], to_ps=False
-        )
-        return weights, velocities
+        since = tf.where(fresh, tf.constant(0, tf.int64), self.since.sparse_read(index)[0])
+        weights, state = self._split(_round.one_transfer_per_task(values, self.homes, to_ps=False))
+        return weights, state, tf.cast(since, tf.int32)
 
-    def save(self, worker, weights, velocities):
-        """Keeps the worker's replica and momentum for its next round."""
+    def restart(self):
+        """``(weights, optimizer state)`` of a fresh replica: the centre's weights."""
+        values = []
+        for v in self.kept:
+            with tf.device(v.value.device):
+                values.append(self.fresh(v))
+        return self._split(_round.one_transfer_per_task(values, self.homes, to_ps=False))
+
+    def save(self, worker, weights, state, since):
+        """Keeps the worker's replica, optimizer state and period for its next round."""
         index = tf.reshape(tf.cast(worker, tf.int64), [1])
         ops = [
-            self.born.scatter_update(tf.IndexedSlices(self.generation.read_value()[None], index))
+            self.born.scatter_update(tf.IndexedSlices(self.generation.read_value()[None], index)),
+            self.since.scatter_update(tf.IndexedSlices(tf.cast(since, tf.int64)[None], index)),
         ]
-        for values, rows in ((weights, self.weights), (velocities, self.velocities)):
-            values = _round.one_transfer_per_task(values, self.homes[: len(values)], to_ps=True)
-            for value, row_var, v in zip(values, rows, self.trainable):
-                with tf.device(v.value.device):
-                    ops.append(row_var.scatter_update(tf.IndexedSlices(value[None], index)))
+        values = _round.one_transfer_per_task([*weights, *state], self.homes, to_ps=True)
+        for value, rows, v in zip(values, self.rows, self.kept):
+            with tf.device(v.value.device):
+                ops.append(rows.scatter_update(tf.IndexedSlices(value[None], index)))
         return ops
 
     def exchange(self, weights, alpha):
         """The elastic exchange: the centre moves by ``d``; returns ``d`` on the worker."""
-        sent = _round.one_transfer_per_task(weights, self.homes, to_ps=True)
+        homes = self.homes[: len(self.trainable)]
+        sent = _round.one_transfer_per_task(weights, homes, to_ps=True)
         moves = []
         for x, v in zip(sent, self.trainable):
             with tf.device(v.value.device):
                 d = tf.cast(alpha, x.dtype) * (x - v.value.read_value())
                 with tf.control_dependencies([v.value.assign_add(d)]):
                     moves.append(tf.identity(d))
-        return _round.one_transfer_per_task(moves, self.homes, to_ps=False)
+        return _round.one_transfer_per_task(moves, homes, to_ps=False)
+
+    def _split(self, values):
+        n = len(self.trainable)
+        return values[:n], values[n:]
 
 
 def build_elastic_round(model, strategy, version, generation):
-    """The tf.function one worker runs for a round of EASGD (``tau``-step blocks).
+    """The tf.function one worker runs for a round of EASGD.
 
     Same inputs and outputs as Downpour's round (``_round.build_round``):
-    ``round_fn(iterator, worker, num_steps, prefetch)`` returns the round's counters;
-    ``pushes`` counts exchanges with the centre.
+    ``round_fn(batches, worker, num_steps, prefetch)`` returns the round's
+    counters; ``pushes`` counts exchanges with the centre, ``applied_steps``
+    the local steps trained (what ``optimizer.iterations`` counts, as in Keras).
     """
-    trainable = list(model.trainable_variables)
-    if not trainable:
-        raise ValueError("ElasticAveragingStrategy: the model has no trainable weights")
-    optimizer = _round._built_optimizer(model, strategy)
-    step, metric_vars = _round.keras_local_step(model, optimizer, _round.LossScale())
-    momentum, nesterov = float(optimizer.momentum), bool(optimizer.nesterov)
-    replicas = _Replicas(strategy, trainable, momentum, generation)
-    tau, alpha = strategy.tau, strategy.alpha
-    param_bytes = sum(_round.nbytes(v) for v in trainable)
-    state_bytes = param_bytes * (2 if momentum else 1)
-    iterations = optimizer.iterations.value
+    return tf.function(_ElasticRound(model, strategy, version, generation).run)
 
-    def sgd(x, velocity, grads, lr):
-        """Keras SGD's update of one replica, on local tensors."""
-        if not momentum:
-            return [w - tf.cast(lr, w.dtype) * g for w, g in zip(x, grads)], velocity
-        velocity = [momentum * m - tf.cast(lr, m.dtype) * g for m, g in zip(velocity, grads)]
-        if nesterov:
-            x = [w + momentum * m - tf.cast(lr, w.dtype) * g for w, m, g in zip(x, velocity, grads)]
-        else:
-            x = [w + m for w, m in zip(x, velocity)]
-        return x, velocity
 
-    def local_steps(iterator, count, x, velocity, metric_values, lr):
-        for _ in tf.range(count):
-            grads, metric_values = strategy.run(step, args=(x, metric_values, next(iterator)))
-            x, velocity = sgd(x, velocity, grads, lr)
-        return x, velocity, metric_values
+class _ElasticRound:
+    """A worker's round: local steps of the compiled optimizer on its replica,
+    an exchange with the centre at the end of each period of ``tau`` of them."""
 
-    @tf.function
-    def round_fn(iterator, worker, num_steps, prefetch=True):
+    def __init__(self, model, strategy, version, generation):
+        self.trainable = list(model.trainable_variables)
+        if not self.trainable:
+            raise ValueError("ElasticAveragingStrategy: the model has no trainable weights")
+        self.strategy, self.version = strategy, version
+        self.optimizer = _round._built_optimizer(model, strategy)
+        self.state = _OptimizerState(self.optimizer)
+        self.loss_scale = _ReplicaLossScale()
+        self.step, self.metric_vars = _round.keras_local_step(
+            model, self.optimizer, self.loss_scale
+        )
+        self.replicas = _Replicas(strategy, self.trainable, self.state, generation)
+        self.tau, self.alpha = strategy.tau, strategy.alpha
+        self.param_bytes = sum(_round.nbytes(v) for v in self.trainable)
+        self.state_bytes = sum(_round.nbytes(v) for v in self.replicas.kept)
+
+    def local_steps(self, batches, first, count, x, kept, metric_values, shared):
+        """Steps ``first..first+count`` of the round: the compiled optimizer's
+        updates of the replica ``x`` (and of its state ``kept``), on the worker."""
+        state = self.state
+        for i in tf.range(count):
+            data = _round.batch_of(batches, first + i)
+            with self.loss_scale.using(state.scale(kept)):
+                grads, metric_values = self.strategy.run(self.step, args=(x, metric_values, data))
+            values = state.merge(kept, shared)
+            x, values = _integration.stateless_apply(
+                self.optimizer, values, grads, x, self.trainable
+            )
+            kept = state.keep(values)
+        return x, kept, metric_values
+
+    def exchange(self, x):
+        """The replica after an exchange with the centre, and the server version before it."""
+        moves = self.replicas.exchange(x, self.alpha)
+        before = self.version.assign_add(1) - 1
+        iterations = self.optimizer.iterations.value
+        iterations.assign_add(tf.cast(self.tau, iterations.dtype))
+        return [w - d for w, d in zip(x, moves)], before
+
+    def run(self, batches, worker, num_steps, prefetch=True):
         """``num_steps`` local steps (``prefetch``: Downpour's; a replica is kept anyway)."""
-        metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
+        metrics_start = [tf.convert_to_tensor(v.value) for v in self.metric_vars]
         metric_values = metrics_start
-        x, velocity = replicas.load(worker)
-        seen = version.read_value()
-        exchanges = tf.constant(0, tf.int64)
-        rejected = tf.constant(0, tf.int64)
-        applied = tf.constant(0, tf.int64)
+        x, kept, since = self.replicas.load(worker)
+        seen = self.version.read_value()
+        exchanges = rejected = tf.constant(0, tf.int64)
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
         done = tf.constant(0, tf.int32)
         while done < num_steps:
-            count = tf.minimum(tau, num_steps - done)
-            lr = tf.convert_to_tensor(optimizer.learning_rate)
-            x, velocity, metric_values = local_steps(
-                iterator, count, x, velocity, metric_values, lr
+            # Blocks end where the replica's period of tau local steps does.
+            count = tf.minimum(self.tau - since, num_steps - done)
+            # The learning rate is read at each block: a callback may have set it.
+            x, kept, metric_values = self.local_steps(
+                batches, done, count, x, kept, metric_values, self.state.read_shared()
             )
             done += count
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(w)) for w in x])
-            if finite:
-                moves = replicas.exchange(x, alpha)
-                x = [w - d for w, d in zip(x, moves)]
-                before = version.assign_add(1) - 1
-                staleness = staleness.write(staleness.size(), before - seen)
-                seen = before + 1
-                iterations.assign_add(tf.cast(count, iterations.dtype))
-                exchanges += 1
-                applied += tf.cast(count, tf.int64)
-            else:
-                # A diverged replica does not touch the centre: it restarts there.
-                rejected += 1
-                x = _round.one_transfer_per_task(
-                    [tf.convert_to_tensor(v.value.read_value()) for v in trainable],
-                    replicas.homes,
-                    to_ps=False,
-                )
-                velocity = [tf.zeros_like(m) for m in velocity]
+            since += count
+            if since == self.tau:
+                since = tf.constant(0, tf.int32)
+                if tf.reduce_all([tf.reduce_all(tf.math.is_finite(w)) for w in x]):
+                    x, before = self.exchange(x)
+                    staleness = staleness.write(staleness.size(), before - seen)
+                    seen = before + 1
+                    exchanges += 1
+                else:
+                    # A diverged replica does not touch the centre: it restarts there.
+                    rejected += 1
+                    x, kept = self.replicas.restart()
+        writes = self.replicas.save(worker, x, kept, since)
         steps = _round.after_writes(
-            tf.cast(num_steps, tf.int64),
-            replicas.save(worker, x, velocity),
-            metric_vars,
-            metric_values,
-            metrics_start,
+            tf.cast(num_steps, tf.int64), writes, self.metric_vars, metric_values, metrics_start
         )
+        return self.counters(worker, steps, exchanges, rejected, staleness.stack())
+
+    def counters(self, worker, steps, exchanges, rejected, staleness):
+        """What a round returns (see ``_round.build_round``)."""
+        sent = exchanges * self.param_bytes + self.state_bytes  # the state's load and save
         return {
             "worker": worker,
             "steps": steps,
-            "applied_steps": applied,
+            # Keras counts every training step: so do the centre's iterations,
+            # whether a replica has exchanged its latest steps yet or not.
+            "applied_steps": steps,
             "pushes": exchanges,
             "fetches": exchanges + 1,
             "rejected": rejected,
-            "staleness": staleness.stack(),
-            "push_bytes": exchanges * param_bytes + state_bytes,
-            "fetch_bytes": exchanges * param_bytes + state_bytes,
+            "staleness": staleness,
+            "push_bytes": sent,
+            "fetch_bytes": sent,
         }
-
-    return round_fn

@@ -45,6 +45,7 @@ for accepted and rejected (non-finite) updates.
 """
 
 import contextvars
+import itertools
 import math
 
 import keras
@@ -66,6 +67,52 @@ def partition(model, strategy):
     # Variables stay on the ps tasks; only the computation is placed.
     apply_plan(model, plan, place_variables=False)
     return plan
+
+
+def round_input(batches):
+    """Keras's batches for one round as one nest the round takes as its input.
+
+    Each leaf is the batches' leaves concatenated along axis 0, beside the
+    row offsets of each batch (batches may differ in size: an epoch's last
+    one). The chief reads the batches from Keras's own epoch iterator, so
+    what a round trains on is exactly what ``fit`` would train on.
+    """
+    for leaf in tf.nest.flatten(batches[0]):
+        if not isinstance(leaf, (tf.Tensor, tf.RaggedTensor)):
+            raise ValueError(
+                "DownpourStrategy: fit's input has a "
+                f"{type(leaf).__name__} feature; the workers take dense or ragged "
+                "tensors. Convert it in the input pipeline (e.g. tf.sparse.to_dense)."
+            )
+    sizes = [int(tf.shape(tf.nest.flatten(b)[0])[0]) for b in batches]
+    offsets = tf.constant([0, *itertools.accumulate(sizes)], tf.int32)
+    if len(batches) == 1:
+        return batches[0], offsets
+    return tf.nest.map_structure(lambda *leaves: tf.concat(leaves, 0), *batches), offsets
+
+
+def any_round_length(spec):
+    """``spec`` of a round's input (:func:`round_input`) with the batch axis unknown.
+
+    A round traced once with it takes rounds of any length and batches of
+    any size (an epoch's last) without tracing again.
+    """
+
+    def relaxed(s):
+        if isinstance(s, tf.RaggedTensorSpec):
+            return tf.RaggedTensorSpec(
+                [None, *s.shape[1:]], s.dtype, s.ragged_rank, s.row_splits_dtype
+            )
+        return tf.TensorSpec([None, *s.shape[1:]], s.dtype)
+
+    return tf.nest.map_structure(relaxed, tf.nest.map_structure(tf.type_spec_from_value, spec))
+
+
+def batch_of(batches, index):
+    """Batch ``index`` of a round's input (:func:`round_input`), on the worker."""
+    data, offsets = batches
+    start, stop = offsets[index], offsets[index + 1]
+    return tf.nest.map_structure(lambda t: t[start:stop], data)
 
 
 def metric_variables(model):
@@ -113,6 +160,9 @@ def keras_local_step(model, optimizer, loss_scale):
             tape.watch(params)
             mapping = list(zip(trainable, params))
             mapping += [(v, v.value) for v in non_trainable]
+            # Keras's compiled loss updates its per-output loss trackers
+            # (metric variables) inside compute_loss: they map to the local copy too.
+            mapping += list(zip(metric_vars, metric_values))
             with (
                 _integration.one_trace_at_a_time(),
                 keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope,
@@ -120,6 +170,7 @@ def keras_local_step(model, optimizer, loss_scale):
                 start = [scope.get_current_value(v) for v in non_trainable]
                 y_pred = _integration.call_model(model, x, training=True)
                 loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
+                metric_values = [scope.get_current_value(v) for v in metric_vars]
             scaled = loss_scale.scale(optimizer, loss, scale)
         with stage_gradients():  # backward ops on their stage's device (model_devices)
             grads = tape.gradient(scaled, params)
@@ -225,20 +276,22 @@ def build_round(model, strategy, version, generation):
 
     block = math.gcd(n_fetch, n_push)
 
-    def local_steps(iterator, count, params, accum, metric_values):
-        """``count`` local steps on ``params``; the gradients add to ``accum``.
+    def local_steps(batches, first, count, params, accum, metric_values):
+        """Steps ``first..first+count`` of the round on ``params``; the
+        gradients add to ``accum``.
 
         Only the worker's own ops (and a user's ``train_step``) run in this
         inner loop, so the ``ps`` tasks take no part in each step's loop
         control: only the block loop around it reaches them.
         """
-        for _ in tf.range(count):
-            grads, metric_values = strategy.run(step, args=(params, metric_values, next(iterator)))
+        for i in tf.range(count):
+            data = batch_of(batches, first + i)
+            grads, metric_values = strategy.run(step, args=(params, metric_values, data))
             accum = [a + g for a, g in zip(accum, grads)]
         return accum, metric_values
 
     @tf.function
-    def round_fn(iterator, worker, num_steps, prefetch=True):
+    def round_fn(batches, worker, num_steps, prefetch=True):
         """``num_steps`` local steps; ``prefetch``: start from and keep prefetched parameters."""
         state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
         # The metrics accumulate on a local copy; the round adds what it
@@ -327,7 +380,9 @@ def build_round(model, strategy, version, generation):
             if fetch_due:
                 prefetched, prefetched_source = unpack_params(packed), packed_source
                 fetches += 1
-            accum, metric_values = local_steps(iterator, count, params, accum, metric_values)
+            accum, metric_values = local_steps(
+                batches, done - count, count, params, accum, metric_values
+            )
             carried += tf.cast(count, tf.int64)
             outbox_steps = tf.constant(0, tf.int64)
             if done % n_push == 0 or done == num_steps:

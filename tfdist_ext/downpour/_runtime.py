@@ -2,8 +2,7 @@
 
 A ``DownpourStrategy`` creates one :class:`DownpourRuntime`; everything
 Downpour keeps between ``fit`` calls lives there and is changed only through
-its methods: the datasets ``fit`` has seen and their per-worker shards, each
-worker's index, the server's update counter, the traced round functions and
+its methods: each worker's index, the server's update counter, the traced round functions and
 the ``model_devices`` partition plans.
 """
 
@@ -11,11 +10,9 @@ import weakref
 
 import tensorflow as tf
 
+from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import components
-from tfdist_ext.downpour import _data
 from tfdist_ext.downpour import _round
-
-_MAX_SOURCES = 16
 
 
 class DownpourRuntime:
@@ -23,8 +20,6 @@ class DownpourRuntime:
 
     def __init__(self, strategy):
         self._strategy = strategy
-        self._sources = []  # (weakref to a chief iterator, dataset), newest last
-        self._per_worker_iterators = []  # (dataset, per-worker iterator), newest last
         self._rounds = {}  # key -> (weakref(model), round function)
         self._plans = {}  # id(model) -> (weakref(model), plan)
         self._worker_index = None
@@ -33,46 +28,10 @@ class DownpourRuntime:
         self._weights_left = {}  # id(model) -> _WeightsLeft
         self.plan = None  # the latest model_devices plan
 
-    # -- data ------------------------------------------------------------------
-
-    def remember_source(self, iterator, dataset):
-        """Records that ``iterator`` (on the chief) iterates ``dataset``.
-
-        Held weakly: an iterator dies when Keras drops it (between ``fit``
-        calls), never here. Deleting an old chief iterator from this list at
-        the start of a ``fit`` stalled that ``fit`` by seconds now and then.
-        """
-        self._sources = [(ref, d) for ref, d in self._sources if ref() is not None]
-        self._sources.append((weakref.ref(iterator), dataset))
-
-    def source_of(self, iterator):
-        """The dataset a chief iterator came from (see ``remember_source``)."""
-        for ref, dataset in reversed(self._sources):
-            if ref() is iterator:
-                return dataset
-        raise ValueError(
-            "DownpourStrategy: fit() got data that was not distributed by this "
-            "strategy; build and fit the model under the same strategy"
-        )
-
-    def per_worker_iterator(self, dataset):
-        """Every worker's iterator over its shard of ``dataset``.
-
-        Cached: successive ``fit`` calls on the same data continue the same
-        per-worker shards instead of rebuilding them.
-        """
-        for source, per_worker in self._per_worker_iterators:
-            if source is dataset:
-                return per_worker
-        per_worker = _data.per_worker_iterator(self._strategy, dataset)
-        self._per_worker_iterators.append((dataset, per_worker))
-        del self._per_worker_iterators[:-_MAX_SOURCES]
-        return per_worker
-
     def worker_index(self):
         """Each worker's task index, resolved on that worker."""
         if self._worker_index is None:
-            self._worker_index = _data.per_worker_index(self._strategy)
+            self._worker_index = _per_worker_index(self._strategy)
         return self._worker_index
 
     # -- rounds ----------------------------------------------------------------
@@ -146,8 +105,6 @@ class DownpourRuntime:
     def clear(self):
         """Drops every per-worker resource and traced round (the strategy is closing)."""
         self._rounds.clear()
-        self._per_worker_iterators.clear()
-        self._sources.clear()
         self._worker_index = None
         self._version = None
         self._generation = None
@@ -206,3 +163,21 @@ class _WeightsLeft:
             with tf.device(piece.device):
                 same.append(tf.reduce_all(tf.equal(piece.read_value(), copy.read_value())))
         return tf.reduce_all(same)
+
+
+def _per_worker_index(strategy):
+    """Each worker's task index, as a value resolved on that worker."""
+
+    @tf.function
+    def identity(index):
+        return tf.identity(index)
+
+    workers = _integration.coordinator_workers(strategy.coordinator)
+    return _integration.PerWorkerValues(
+        tuple(
+            _integration.per_worker_resource(
+                worker, identity, (tf.constant(index, tf.int64),), None
+            )
+            for index, worker in enumerate(workers)
+        )
+    )

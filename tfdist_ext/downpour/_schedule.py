@@ -9,12 +9,12 @@ waits for the epoch's rounds. It then runs Keras's own ``fit`` loop
 unchanged (progress bar, callbacks, validation, checkpoints). For every other
 model ``fit`` is Keras's, untouched.
 
-Each call of the train function counts steps; every :func:`dispatch_steps`
-steps it schedules one round (``_round.py``) on whichever worker is free
-(``ClusterCoordinator``). As Keras's ``steps_per_execution`` does, one
-dispatch runs many steps: the coordinator's per-call cost (about 20 ms on
-loopback, several times a step's compute) is paid once per round, not once
-per step. At each epoch's end, with no round in flight,
+Each call of the train function reads the batches Keras's own function
+would from Keras's iterator on the chief; every :func:`dispatch_steps`
+batches it schedules one round (``_round.py``) of them on whichever worker
+is free (``ClusterCoordinator``). As Keras's ``steps_per_execution`` does,
+one dispatch runs many steps: the coordinator's per-call cost is paid once
+per round, not once per step. At each epoch's end, with no round in flight,
 ``optimizer.iterations`` is set to the exact number of training steps whose
 gradients the server applied (concurrent pushes may overlap in Keras's own
 read-then-write increment during the epoch).
@@ -32,6 +32,7 @@ from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
 from tfdist_ext.cluster._ps_strategy import check_compiled_for_workers
+from tfdist_ext.downpour import _round
 
 # Steps per scheduled round when the model's ``steps_per_execution`` is 1.
 DISPATCH_STEPS = 50
@@ -42,7 +43,7 @@ def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     _check_custom_train_step(model, strategy)
     check_compiled_for_workers(model, type(strategy).__name__)
     _adopt_optimizer(model, strategy)
-    train_function = TrainFunction(model, strategy, runtime, _epoch_steps(args, kwargs))
+    train_function = TrainFunction(model, strategy, runtime)
     model.train_function = train_function
     try:
         return keras_fit(model, *args, **kwargs)
@@ -62,35 +63,18 @@ def epoch_logs(model, logs, keras_epoch_logs):
     return keras_epoch_logs(model, logs)
 
 
-def dispatch_steps(model, strategy, epoch_steps=None):
-    """Local steps per scheduled round (one coordinator dispatch).
+def dispatch_steps(model, strategy):
+    """Local steps per scheduled round (one coordinator dispatch) at most.
 
-    The model's ``steps_per_execution`` when it is above 1; otherwise about
-    ``DISPATCH_STEPS``, but no more than an epoch's share of one worker (so
-    that every worker gets rounds of a short epoch). Always a multiple of
-    ``strategy.round_steps``, so rounds end where a fetch and a push are due.
+    The model's ``steps_per_execution`` when it is above 1, otherwise
+    ``DISPATCH_STEPS``; always a multiple of ``strategy.round_steps``, so
+    that rounds end where a fetch and a push are due.
     """
     steps = model.steps_per_execution
     if steps == 1:
         steps = DISPATCH_STEPS
-        if epoch_steps:
-            steps = min(steps, -(-epoch_steps // strategy.num_workers))
     lcm = strategy.round_steps
     return max(1, -(-steps // lcm)) * lcm
-
-
-def _epoch_steps(args, kwargs):
-    """Batches per epoch of a ``fit(*args, **kwargs)`` call, if known before it starts."""
-    if kwargs.get("steps_per_epoch"):
-        return int(kwargs["steps_per_epoch"])
-    x = kwargs.get("x", args[0] if args else None)
-    if isinstance(x, tf.data.Dataset):
-        cardinality = int(x.cardinality())
-        return cardinality if cardinality > 0 else None
-    if hasattr(x, "shape") and len(x.shape):
-        batch_size = kwargs.get("batch_size") or 32
-        return -(-int(x.shape[0]) // batch_size)
-    return None
 
 
 def _check_custom_train_step(model, strategy):
@@ -121,19 +105,25 @@ def _adopt_optimizer(model, strategy):
 
 
 class TrainFunction:
-    """``model.train_function`` under Downpour: schedules rounds, returns logs."""
+    """``model.train_function`` under Downpour: schedules rounds, returns logs.
 
-    def __init__(self, model, strategy, runtime, epoch_steps=None):
+    Each call reads the batches Keras's own function would (up to
+    ``steps_per_execution``, fewer at the end of the data) from Keras's
+    iterator on the chief, and buffers them; a round of the buffered
+    batches goes to whichever worker is free when the buffer holds
+    :func:`dispatch_steps` of them, or a ``round_steps`` multiple while a
+    worker is idle. Keras's data adapters and epoch iterator thus decide
+    what is trained, in which order and how many steps an epoch has.
+    """
+
+    def __init__(self, model, strategy, runtime):
         self.model = model
         self.strategy = strategy
         self.runtime = runtime
-        self.epoch_steps = epoch_steps
-        self.round_size = dispatch_steps(model, strategy, epoch_steps)
+        self.round_size = dispatch_steps(model, strategy)
         self.coordinator = strategy.coordinator
         self._round = None
-        self._current = None
-        self._pending = 0
-        self._ahead = 0
+        self._buffer = []  # Keras's batches not yet in a round
         self._scheduled_steps = 0
         self._inflight = []
         self._logs = {}
@@ -157,52 +147,59 @@ class TrainFunction:
             # parameters, replicas) holds only if no one changed the weights
             # since (a callback, set_weights or a load between fit calls).
             self.runtime.check_weights(self.model)
-        dataset = self.runtime.source_of(iterator)
-        self._current = self.runtime.per_worker_iterator(dataset)
-        for _ in range(self.model.steps_per_execution):
+        for batch in self._read(iterator):
             self.steps_since_finish += 1
-            if self._ahead:
-                self._ahead -= 1  # already scheduled by an early round
-                continue
             self._scheduled_steps += 1
+            self._buffer.append(batch)
             if self._scheduled_steps <= self.strategy.warmstart_steps:
                 # Warmstart: one replica at a time, in order, each from the
                 # server's latest parameters (none prefetched).
                 self._schedule(1, prefetch=False)
                 self._wait(lambda: not self._inflight)
-            else:
-                self._pending += 1
-                if self._pending == self.round_size:
-                    self._schedule(self._pending)
+        self._schedule_due()
         self._collect()
         if self.strategy.stats.steps == self._epoch_base["steps"]:
             # Nothing of this epoch has finished yet: wait for its first
-            # round so that callbacks never see the reset metrics' zeros,
-            # with every other worker given a round of its own meanwhile.
-            if self._pending and not self._inflight:
-                self._schedule_ahead()
-            self._occupy_idle_workers()
+            # round so that callbacks never see the reset metrics' zeros.
+            if self._buffer and not self._inflight:
+                self._schedule(len(self._buffer))
             self._wait(lambda: self.strategy.stats.steps > self._epoch_base["steps"])
             self._read_logs()
         elif time.monotonic() - self._last_read > 0.5:
             self._read_logs()
         return self._logs
 
+    def _read(self, iterator):
+        """The batches one call of Keras's own train function would read.
+
+        Keras's function runs ``steps_per_execution`` steps, fewer where the
+        data end; with none left it raises, and Keras ends the epoch.
+        """
+        batches = []
+        for _ in range(self.model.steps_per_execution):
+            try:
+                batches.append(next(iterator))
+            except (StopIteration, tf.errors.OutOfRangeError):
+                if not batches:
+                    raise
+                break
+        return batches
+
     def finish_epoch(self):
-        """Schedules the partial round, waits for all rounds; exact epoch logs."""
+        """Schedules the buffered steps, waits for all rounds; exact epoch logs."""
         with self._explained_errors():
-            if self._pending and self._current is not None:
-                self._schedule(self._pending)
+            if self._buffer:
+                self._schedule(len(self._buffer))
             self._wait(lambda: not self._inflight)
             self._count_iterations()
             self._read_logs()
             self.runtime.remember_weights(self.model)
-        self._ahead = 0
         self.steps_since_finish = 0
         self._epoch_base = self.strategy.stats.snapshot()
         return dict(self._logs)
 
     def close(self):
+        self._buffer = []
         try:
             self._wait(lambda: not self._inflight)
         except Exception:  # noqa: BLE001 - fit is already raising its own error
@@ -210,47 +207,20 @@ class TrainFunction:
 
     # -- scheduling ----------------------------------------------------------
 
-    def _schedule_ahead(self):
-        """Schedules the epoch's first round now, a ``round_steps`` multiple
-        long (short, so that callbacks soon see this epoch's metrics; the
-        rounds after it are ``round_size`` long); its later steps are counted
-        off as Keras calls for them."""
+    def _schedule_due(self):
+        """Schedules full rounds, and a ``round_steps`` multiple while a worker idles."""
         lcm = self.strategy.round_steps
-        size = -(-self._pending // lcm) * lcm
-        if self.epoch_steps is not None:
-            left = self.epoch_steps - self.steps_since_finish + self._pending
-            size = max(self._pending, min(size, left))
-        self._ahead = size - self._pending
-        self._scheduled_steps += self._ahead
-        self._schedule(size)
-
-    def _occupy_idle_workers(self):
-        """Schedules rounds of the epoch's later steps ahead, up to one a worker.
-
-        While the chief waits for an epoch's first round, Keras asks for no
-        more steps, so without this the other workers would idle through
-        that whole round (with ``steps_per_execution`` rounds, a third of
-        a 2-worker ``fit`` of four rounds). Only steps the epoch is known to
-        have (``steps_per_epoch`` or a sized dataset) are scheduled; they are
-        counted off as Keras asks for them.
-        """
-        if self.epoch_steps is None or self._pending:
-            return
-        if self._scheduled_steps < self.strategy.warmstart_steps:
-            return
-        while len(self._inflight) < self.strategy.num_workers:
-            left = self.epoch_steps - self.steps_since_finish - self._ahead
-            size = min(self.round_size, left)
-            if size <= 0:
+        while True:
+            if len(self._buffer) >= self.round_size:
+                self._schedule(self.round_size)
+            elif len(self._buffer) >= lcm and len(self._inflight) < self.strategy.num_workers:
+                self._schedule(len(self._buffer) // lcm * lcm)
+            else:
                 return
-            self._ahead += size
-            self._scheduled_steps += size
-            self._schedule(size)
 
     def _schedule(self, steps, prefetch=True):
-        self._pending = 0
-        if steps <= 0:
-            return
+        """Sends the first ``steps`` buffered batches to a worker as one round."""
+        batches, self._buffer = self._buffer[:steps], self._buffer[steps:]
         if self._round is None:
             self._round = self.runtime.round_for(self.model)
             self._iterations_base = int(self.model.optimizer.iterations.numpy())
@@ -258,11 +228,20 @@ class TrainFunction:
         # a deadline, rather than a blocking schedule() call.
         limit = 2 * self.strategy.num_workers
         self._wait(lambda: len(self._inflight) < limit)
-        remote = self.coordinator.schedule(
-            self._round,
-            args=(self._current, self.runtime.worker_index(), tf.constant(steps, tf.int32)),
-            kwargs={"prefetch": tf.constant(prefetch)},
+        args = (
+            _round.round_input(batches),
+            self.runtime.worker_index(),
+            tf.constant(steps, tf.int32),
         )
+        kwargs = {"prefetch": tf.constant(prefetch)}
+        # One trace serves every round length and batch size (the coordinator
+        # finds it for the concrete shapes it is called with).
+        specs = _integration.scheduled_arg_specs((args, kwargs))
+        with self.strategy.scope():  # where the coordinator traces too
+            self._round.get_concrete_function(
+                _round.any_round_length(specs[0][0]), *specs[0][1:], **specs[1]
+            )
+        remote = self.coordinator.schedule(self._round, args=args, kwargs=kwargs)
         self._inflight.append((remote, steps))
 
     def _count_iterations(self):

@@ -10,7 +10,6 @@ from tfdist_ext.cluster._ps_strategy import positive_int
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour import _schedule
 from tfdist_ext.downpour import _staleness
-from tfdist_ext.downpour._data import SourceDataset
 from tfdist_ext.downpour._runtime import DownpourRuntime
 from tfdist_ext.downpour._stats import DownpourStats
 
@@ -65,10 +64,15 @@ class DownpourStrategy(ParameterServerBase):
     ``rejected_pushes`` without a warning, as Keras skips it silently) and
     doubles it after ``dynamic_growth_steps`` accepted ones.
 
-    Each dispatch to a worker runs a round of many local steps, as Keras's
-    ``steps_per_execution`` does: the model's ``compile(steps_per_execution=k)``
-    when ``k > 1``, otherwise about 50 steps (at most an epoch's share per
-    worker), rounded up to a multiple of ``round_steps``. Callbacks still see
+    The chief reads ``fit``'s input with Keras's own data adapter and epoch
+    iterator, so every example is trained once per epoch as in Keras, and
+    sends the batches to the workers: each dispatch runs a round of many
+    local steps, as Keras's ``steps_per_execution`` does (the model's
+    ``compile(steps_per_execution=k)`` when ``k > 1``, otherwise up to 50,
+    fewer while a worker idles; an epoch's first round is the batches of
+    Keras's first call, whose logs wait for it: with ``steps_per_execution``
+    a multiple of ``lcm(n_fetch, n_push)`` every round holds whole fetch and
+    push blocks). Callbacks still see
     every call Keras makes; the logs they get are those of the rounds
     finished so far (exact at each epoch's end). A round accumulates the
     metrics locally and adds them to the model's metric variables at its end.
@@ -256,15 +260,6 @@ class DownpourStrategy(ParameterServerBase):
         self.coordinator.shutdown()
         self._runtime.clear()
         self._bound = None
-
-    def experimental_distribute_dataset(self, dataset, options=None):
-        """Returns ``dataset`` for use on the chief; ``fit`` shards it per worker.
-
-        Keras ``evaluate`` and ``predict`` iterate it on the chief. For ``fit``
-        each worker gets its own shard (``dataset.shard(num_workers, i)``,
-        repeated) built on the worker.
-        """
-        return SourceDataset(dataset, self._runtime)
 
     def get_config(self):
         """The strategy's knobs (not the cluster) as a dict."""

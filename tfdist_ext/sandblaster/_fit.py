@@ -12,6 +12,7 @@ from the model's metric names.
 """
 
 import inspect
+import types
 
 import keras
 import numpy as np
@@ -41,17 +42,13 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
             "SandblasterStrategy: compile the model with "
             f"tfdist_ext.optimizers.LBFGS, not {type(optimizer).__name__}"
         )
-    if arguments.get("class_weight"):
-        raise ValueError(
-            "SandblasterStrategy: class_weight is not supported; pass sample_weight instead"
-        )
     x, y, sample_weight = (arguments.pop(k, None) for k in ("x", "y", "sample_weight"))
     split = arguments.pop("validation_split", 0.0)
     if split and arguments.get("validation_data") is None:
         (x, y, sample_weight), arguments["validation_data"] = _integration.train_validation_split(
             (x, y, sample_weight), validation_split=split
         )
-    data = materialize(x, y, sample_weight, "fit")
+    data = training_set(x, y, sample_weight, arguments)
     _build_from_data(model, strategy, data)
     for key in ("batch_size", "shuffle", "class_weight"):
         arguments.pop(key, None)
@@ -70,6 +67,45 @@ def sandblaster_fit(model, strategy, keras_fit, args, kwargs):
     optimizer._set_result(result)
     history.result = result
     return history
+
+
+def training_set(x, y, sample_weight, arguments):
+    """The whole training set, one epoch as Keras's own data adapter yields it
+    (a ``PyDataset`` read once, ``class_weight`` turned into sample weights).
+
+    L-BFGS minimises the loss over the whole set: an input with no end (a
+    repeated dataset, a Python generator) is refused, naming it.
+    """
+    if isinstance(x, tf.data.Dataset) and x.cardinality() == tf.data.INFINITE_CARDINALITY:
+        raise ValueError(
+            "SandblasterStrategy: fit's dataset repeats forever; L-BFGS minimises the loss "
+            "over the whole, finite training set. Pass it without .repeat() (steps_per_epoch "
+            "then counts L-BFGS iterations per epoch)."
+        )
+    if isinstance(x, types.GeneratorType):
+        raise ValueError(
+            "SandblasterStrategy: fit's input is a Python generator, which has no known "
+            "end; L-BFGS minimises the loss over the whole training set. Pass arrays, a "
+            "finite tf.data.Dataset or a keras.utils.PyDataset."
+        )
+    adapter = _integration.get_data_adapter(
+        x,
+        y,
+        sample_weight,
+        batch_size=arguments.get("batch_size") or 32,
+        shuffle=False,
+        class_weight=arguments.get("class_weight"),
+    )
+    adapter.on_epoch_begin()
+    try:
+        batches = list(adapter.get_numpy_iterator())
+    finally:
+        adapter.on_epoch_end()
+    if not batches:
+        raise ValueError("SandblasterStrategy: fit's training data are empty")
+    data = tf.nest.map_structure(lambda *parts: np.concatenate(parts), *batches)
+    x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
+    return materialize(x, y, sample_weight, "fit")
 
 
 def _build_from_data(model, strategy, data):
@@ -169,22 +205,41 @@ def keras_objective(model):
     def loss_fn(params, batch):
         x, y, sample_weight = _integration.unpack_x_y_sample_weight(tuple(batch))
         mapping = list(zip(trainable, params)) + [(v, v.value) for v in non_trainable]
+        # The compiled loss updates its per-output trackers (from zero here).
+        tracked = loss_metric_variables(model)
+        mapping += [(v, tf.zeros(v.shape, v.dtype)) for v in tracked]
         with (
             _integration.one_trace_at_a_time(),
-            keras.StatelessScope(state_mapping=mapping, collect_losses=True),
+            keras.StatelessScope(state_mapping=mapping, collect_losses=True) as scope,
         ):
             y_pred = _integration.call_model(model, x, training=False)
             loss = _integration.compute_loss(model, x, y, y_pred, sample_weight, training=False)
+            state = [scope.get_current_value(v) for v in tracked]
         # Keras builds the compiled metrics in fit's first (symbolic) step,
         # before this function is traced on a worker.
-        state = []
         compiled = _integration.compiled_metrics(model)
         if compiled is not None and compiled.built:
             initial = [tf.zeros(v.shape, v.dtype) for v in compiled.variables]
-            state = compiled.stateless_update_state(initial, y, y_pred, sample_weight=sample_weight)
+            state += compiled.stateless_update_state(
+                initial, y, y_pred, sample_weight=sample_weight
+            )
         return loss, list(state)
 
     return loss_fn
+
+
+def loss_metric_variables(model):
+    """The variables of the per-output loss trackers, in the objective's state order."""
+    return [v for m in _integration.compiled_loss_metrics(model) for v in m.variables]
+
+
+def _metric_state_variables(model):
+    """Every variable of the objective's metric state (``keras_objective``), in order."""
+    compiled = _integration.compiled_metrics(model)
+    variables = loss_metric_variables(model)
+    if compiled is not None and compiled.built:
+        variables += list(compiled.variables)
+    return variables
 
 
 class _TrainStep:
@@ -203,9 +258,8 @@ class _TrainStep:
         tracker = _integration.loss_tracker(model)
         tracker.reset_state()
         tracker.update_state(run.f)
-        compiled = _integration.compiled_metrics(model)
-        if compiled is not None and compiled.built and run.aux:
-            for variable, value in zip(compiled.variables, run.aux):
+        if run.aux:
+            for variable, value in zip(_metric_state_variables(model), run.aux):
                 variable.assign(value)
         logs = {k: float(v) for k, v in model.get_metrics_result().items()}
         logs.update({k: v for k, v in record.items() if k not in ("loss", "seconds")})

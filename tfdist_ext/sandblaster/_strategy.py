@@ -97,6 +97,13 @@ class SandblasterStrategy(ParameterServerBase):
         self._check_open()
         return _fit.sandblaster_fit(model, self, keras_fit, args, kwargs)
 
+    def _tfdist_train_on_batch(self, model, keras_method, args, kwargs):
+        raise ValueError(
+            "SandblasterStrategy: train_on_batch is not supported: L-BFGS minimises the "
+            "loss over the whole training set, not one batch at a time. Call fit (each "
+            "step is one L-BFGS iteration over all the data you pass)."
+        )
+
     def _stop_runtime(self):
         """Stops every pass's worker threads and drops the data sent to the workers."""
         for _, _, evaluator in self._evaluators.values():

@@ -1,0 +1,101 @@
+"""Keras's ``compile``/``fit`` features under every strategy (issue 38).
+
+Each cell runs one feature program of ``tests/programs/conformance.py`` in
+plain Keras and under one strategy, in a fresh process, and passes when
+``History``'s keys, the batches and examples trained per epoch,
+``optimizer.iterations`` and the feature's own observations equal plain
+Keras's (values too where the strategy's arithmetic is Keras's), or when the
+strategy refused the feature before the first batch with an error naming it.
+Every example counts: the programs count how often each example was trained.
+
+The default suite runs :data:`DEFAULT` (the features whose handling differs
+between strategies, at least three per strategy); ``pytest -m slow`` runs the
+whole matrix. With ``TFDIST_CONFORMANCE_RESULTS=path`` each verdict is also
+written to that JSON file, from which ``python -m tests.programs.conformance
+table`` writes the README's table.
+"""
+
+import json
+import os
+
+import pytest
+
+from tests.programs import run_program
+from tests.programs import run_workers
+from tests.programs.conformance import FEATURES
+from tests.programs.conformance import STRATEGIES
+from tests.programs.conformance import judge
+
+DEFAULT = {
+    "downpour": [
+        "per_output_losses",
+        "py_dataset",
+        "py_dataset_threads",
+        "generator",
+        "steps_per_execution",
+        "jit_compile",
+        "gradient_accumulation",
+        "validation_data",
+        "csv_logger",
+    ],
+    "easgd": ["per_output_losses", "py_dataset", "steps_per_execution"],
+    "sandblaster": ["per_output_losses", "validation_data", "jit_compile"],
+    "compressed_mirrored": ["per_output_losses", "py_dataset_threads", "steps_per_execution"],
+    "model_parallel_1": ["class_weight", "early_stopping", "on_batch"],
+    "model_parallel_2": ["per_output_losses", "py_dataset", "steps_per_epoch"],
+}
+
+CELLS = [
+    pytest.param(
+        strategy,
+        feature,
+        marks=() if feature in DEFAULT.get(strategy, ()) else pytest.mark.slow,
+        id=f"{strategy}-{feature}",
+    )
+    for strategy in STRATEGIES
+    for feature in FEATURES
+]
+
+_RUNS = {}  # strategy -> the program's result for the features selected
+
+
+def _selected_features(session, strategy):
+    features = []
+    for item in session.items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.module.__name__.endswith("test_conformance") and params.get("strategy") == strategy:
+            features.append(params["feature"])
+    return features
+
+
+def _runs(request, strategy):
+    """The strategy's program run once for all its selected cells."""
+    if strategy not in _RUNS:
+        features = _selected_features(request.session, strategy)
+        if strategy == "compressed_multiworker":
+            _RUNS[strategy] = run_workers("conformance", strategy, *features, timeout=1200)
+        else:
+            _RUNS[strategy] = run_program("conformance", strategy, *features, timeout=1200)
+    return _RUNS[strategy]
+
+
+def _record(strategy, feature, verdict):
+    path = os.environ.get("TFDIST_CONFORMANCE_RESULTS")
+    if not path:
+        return
+    results = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            results = json.load(f)
+    results.setdefault(strategy, {})[feature] = list(verdict)
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1, sort_keys=True)
+
+
+@pytest.mark.timeout(1300)
+@pytest.mark.parametrize("strategy, feature", CELLS)
+def test_feature_works_as_in_keras_or_is_refused_at_fit_start(request, strategy, feature):
+    result = _runs(request, strategy)
+    verdict = judge(strategy, feature, result["keras"][feature], result[strategy][feature])
+    _record(strategy, feature, verdict)
+    assert verdict[0] in ("works", "refused"), verdict[1]
