@@ -387,6 +387,35 @@ for _cls in (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredSt
     if not isinstance(getattr(_cls, "_collective_key_base", None), int):
         _problems.append(f"{_cls.__module__}.{_cls.__qualname__}._collective_key_base is missing")
 
+# compressed multi-worker strategy: TensorFlow's ring, subdivided and pipelined
+# (pipelined_all_sum).
+(collective_ops,) = _import("tensorflow.python.ops", "collective_ops")
+(CollectiveAllReduceExtended,) = _import(
+    "tensorflow.python.distribute.collective_all_reduce_strategy", "CollectiveAllReduceExtended"
+)
+(CollectiveAllReduce,) = _import(
+    "tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce"
+)
+(CollectiveReplicaLauncher, group_by_size) = _import(
+    "tensorflow.python.distribute.cross_device_utils", "CollectiveReplicaLauncher", "group_by_size"
+)
+if collective_ops is not None:
+    _check(
+        collective_ops,
+        "all_reduce_v2",
+        params=("communication_hint", "timeout", "ordering_token", "max_subdivs_per_device"),
+    )
+if CollectiveAllReduceExtended is not None:
+    _check_sets(CollectiveAllReduceExtended, "_initialize_multi_worker", "_cross_device_ops")
+if CollectiveAllReduce is not None:
+    _check_sets(CollectiveAllReduce, "__init__", "_launchers")
+if CollectiveReplicaLauncher is not None:
+    for _name in ("_group_key", "_group_size", "_device", "_options"):
+        _check_sets(CollectiveReplicaLauncher, "__init__", _name)
+    _check(CollectiveReplicaLauncher, "_next_instance_key")
+    _check(CollectiveReplicaLauncher, "_get_ordering_token")
+
+
 if _problems:
     raise ImportError(
         f"tfdist_ext does not support Keras {keras.__version__} with TensorFlow "
@@ -990,32 +1019,6 @@ def claim_collective_keys(strategy):
 
 
 # -- pipelined all-reduce (compressed multi-worker strategy) -----------------
-
-(collective_ops,) = _import("tensorflow.python.ops", "collective_ops")
-(CollectiveAllReduceExtended,) = _import(
-    "tensorflow.python.distribute.collective_all_reduce_strategy", "CollectiveAllReduceExtended"
-)
-(CollectiveAllReduce,) = _import(
-    "tensorflow.python.distribute.cross_device_ops", "CollectiveAllReduce"
-)
-(CollectiveReplicaLauncher, group_by_size) = _import(
-    "tensorflow.python.distribute.cross_device_utils", "CollectiveReplicaLauncher", "group_by_size"
-)
-if collective_ops is not None:
-    _check(
-        collective_ops,
-        "all_reduce_v2",
-        params=("communication_hint", "timeout", "ordering_token", "max_subdivs_per_device"),
-    )
-if CollectiveAllReduceExtended is not None:
-    _check_sets(CollectiveAllReduceExtended, "_initialize_multi_worker", "_cross_device_ops")
-if CollectiveAllReduce is not None:
-    _check_sets(CollectiveAllReduce, "__init__", "_launchers")
-if CollectiveReplicaLauncher is not None:
-    for _name in ("_group_key", "_group_size", "_device", "_options"):
-        _check_sets(CollectiveReplicaLauncher, "__init__", _name)
-    _check(CollectiveReplicaLauncher, "_next_instance_key")
-    _check(CollectiveReplicaLauncher, "_get_ordering_token")
 
 #: Upper bound on the ring's subdivisions per device (TensorFlow stops
 #: subdividing once a chunk is at most 4 MiB, so 16 lets a 128 MiB sum over

@@ -16,6 +16,7 @@ tfdist_ext: plain Keras is run on the same program as the reference.
 import contextlib
 import csv
 import os
+import re
 import sys
 import tempfile
 
@@ -696,7 +697,7 @@ def table(results):
         for strategy in strategies:
             verdict, why = results[strategy].get(feature_name, ("", ""))
             if verdict == "refused":
-                reason = why.split(": ", 2)[-1].split(";")[0].split(". ")[0]
+                reason = _first_sentence(why)
                 if reason not in notes:
                     notes.append(reason)
                 cells.append(f"refused ({notes.index(reason) + 1})")
@@ -706,6 +707,12 @@ def table(results):
     lines.append("")
     lines += [f"{i}. {note}" for i, note in enumerate(notes, 1)]
     return "\n".join(lines)
+
+
+def _first_sentence(error):
+    """The reason an error gives, without its type, owner and a model's name."""
+    reason = error.split(": ", 2)[-1].split(". ")[0].rstrip(".")
+    return re.sub(r" of model '[^']*'", "", reason)
 
 
 def write_table(results_path, readme_path):

@@ -508,10 +508,10 @@ class ModelParallelStrategy(distribute_lib.Strategy):
         """Refuses, before anything runs, what cannot be trained on these devices."""
         if model.jit_compile:
             raise ValueError(
-                f"ModelParallelStrategy: jit_compile=True cannot hold for model "
-                f"{model.name!r}: its variables live on {list(self.devices)}, and XLA "
-                "compiles a step for one device. Compile with jit_compile=False (or "
-                "leave the default 'auto', which is False under a strategy)."
+                "ModelParallelStrategy: jit_compile=True cannot hold: XLA compiles a "
+                f"step for one device, and the variables of model {model.name!r} live on "
+                f"{list(self.devices)}. Compile with jit_compile=False (or leave the "
+                "default 'auto', which is False under a strategy)."
             )
         if self.microbatches == 1:
             return
