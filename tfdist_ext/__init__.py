@@ -71,16 +71,8 @@ def __getattr__(name):
 
 
 def _register_keras_objects():
-    """Imports every module that registers a Keras-serializable class."""
-    for name in (
-        "callbacks",
-        "compression",
-        "downpour",
-        "layers",
-        "model_parallel",
-        "optimizers",
-        "schedules",
-    ):
+    """Imports the subpackages: their modules register the Keras-serializable classes."""
+    for name in _SUBPACKAGES:
         importlib.import_module(f"tfdist_ext.{name}")
 
 
