@@ -26,21 +26,22 @@ def report(**values):
 def digits_train():
     return datasets.digits("train", flatten=True).shuffle(2048, seed=0).batch(32).repeat()
 
-def digits_mlp():
+def digits_mlp(steps_per_execution=1):
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
                               keras.layers.Dense(10)])
     model.compile(optimizer=keras.optimizers.Adagrad(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  steps_per_execution=steps_per_execution)
     return model
 
-def fit_and_reload(strategy, path, during=None, **fit_kwargs):
+def fit_and_reload(strategy, path, during=None, steps_per_execution=1, **fit_kwargs):
     # A digits MLP trained with the strategy: its losses, and whether the
     # saved and reloaded model predicts the same. With `during` (a context,
     # e.g. a throttle): a first unmeasured fit traces the round, then the
     # measured one runs within `during` (tracing and registering functions
     # on a throttled worker would only slow the measured fit).
     with strategy.scope():
-        model = digits_mlp()
+        model = digits_mlp(steps_per_execution)
     train = digits_train()
     if during is not None:
         model.fit(train, epochs=1, steps_per_epoch=20, verbose=0)
@@ -502,8 +503,10 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
     # deadline: a worker throttled to 1/8 of a core on a loaded 2-core
     # machine can take more than 30 s between fetch blocks (a CI run did).
     strategy = tfdist_ext.DownpourStrategy(cluster.resolver, max_staleness=2, deadline=90)
+    # Rounds of 10 steps, one per Keras call: both workers hold rounds at
+    # once, so the throttled one bounds the other.
     losses, same = fit_and_reload(strategy, {path!r}, during=cluster.throttle("worker", 1, 8),
-                                  epochs=2, steps_per_epoch=100)
+                                  steps_per_execution=10, epochs=2, steps_per_epoch=100)
     report(losses=losses, same=same, leads=strategy.stats.clock_leads.tolist(),
            staleness=list(strategy.stats.staleness), config=strategy.get_config(),
            prefetched=strategy.stats.summary()["prefetched_rounds"])

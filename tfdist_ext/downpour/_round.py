@@ -84,11 +84,17 @@ def round_input(batches):
                 f"{type(leaf).__name__} feature; the workers take dense or ragged "
                 "tensors. Convert it in the input pipeline (e.g. tf.sparse.to_dense)."
             )
-    sizes = [int(tf.shape(tf.nest.flatten(b)[0])[0]) for b in batches]
+    sizes = [_rows(tf.nest.flatten(b)[0]) for b in batches]
     offsets = tf.constant([0, *itertools.accumulate(sizes)], tf.int32)
     if len(batches) == 1:
         return batches[0], offsets
     return tf.nest.map_structure(lambda *leaves: tf.concat(leaves, 0), *batches), offsets
+
+
+def _rows(tensor):
+    """A batch's size: static for the chief's eager tensors, no op to run."""
+    rows = tensor.shape[0]
+    return int(tf.shape(tensor)[0]) if rows is None else int(rows)
 
 
 def any_round_length(spec):
