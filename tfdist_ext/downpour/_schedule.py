@@ -221,7 +221,8 @@ class TrainFunction:
     def _schedule(self, steps, prefetch=True):
         """Sends the first ``steps`` buffered batches to a worker as one round."""
         batches, self._buffer = self._buffer[:steps], self._buffer[steps:]
-        if self._round is None:
+        first = self._round is None
+        if first:
             self._round = self.runtime.round_for(self.model)
             self._iterations_base = int(self.model.optimizer.iterations.numpy())
         # Keep the coordinator's queue short so that every wait is ours, with
@@ -234,15 +235,19 @@ class TrainFunction:
             tf.constant(steps, tf.int32),
         )
         kwargs = {"prefetch": tf.constant(prefetch)}
-        # One trace serves every round length and batch size (the coordinator
-        # finds it for the concrete shapes it is called with).
+        if first:
+            self._trace_for_any_round_length(args, kwargs)
+        remote = self.coordinator.schedule(self._round, args=args, kwargs=kwargs)
+        self._inflight.append((remote, steps))
+
+    def _trace_for_any_round_length(self, args, kwargs):
+        """Traces the round once with the batch axis unknown: the coordinator
+        then finds that trace for every round length and batch size."""
         specs = _integration.scheduled_arg_specs((args, kwargs))
         with self.strategy.scope():  # where the coordinator traces too
             self._round.get_concrete_function(
                 _round.any_round_length(specs[0][0]), *specs[0][1:], **specs[1]
             )
-        remote = self.coordinator.schedule(self._round, args=args, kwargs=kwargs)
-        self._inflight.append((remote, steps))
 
     def _count_iterations(self):
         """``optimizer.iterations``: the training steps the server applied in this ``fit``."""
