@@ -166,7 +166,7 @@ def test_fit_with_dgc_and_the_logger(cpu_devices):
 
 def test_logger_refuses_a_plain_strategy():
     model = _model()
-    with pytest.raises(ValueError, match="needs a CompressedMirroredStrategy"):
+    with pytest.raises(ValueError, match="needs a (Compressed)?MirroredStrategy"):
         model.fit(
             np.zeros((4, 64), np.float32),
             np.zeros(4, np.int32),
@@ -606,7 +606,7 @@ def test_fit_refuses_an_unsupported_variable_dtype_before_the_first_step(cpu_dev
     with strategy.scope():
         model = keras.Sequential([keras.Input((4,)), IntegerWeight(), keras.layers.Dense(1)])
         model.compile(keras.optimizers.SGD(0.1), "mse")
-    with pytest.raises(ValueError, match="CompressedMirroredStrategy: variable .* dtype int32"):
+    with pytest.raises(ValueError, match="MirroredStrategy: variable .* dtype int32"):
         model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 1), np.float32), verbose=0)
     assert int(model.optimizer.iterations.numpy()) == 0
 

@@ -1,7 +1,8 @@
 """tfdist_ext: classic distributed deep learning for TensorFlow 2.21 and Keras 3.
 
-Strategies (``DownpourStrategy``, ``ElasticAveragingStrategy``, ``SandblasterStrategy``, ``CompressedMirroredStrategy``,
-``CompressedMultiWorkerMirroredStrategy``, ``ModelParallelStrategy``) and the
+Strategies (``MultiWorkerMirroredStrategy`` and ``MirroredStrategy``: TensorFlow's,
+made to work under Keras 3, optionally compressed; ``DownpourStrategy``,
+``ElasticAveragingStrategy``, ``SandblasterStrategy``, ``ModelParallelStrategy``) and the
 subpackages ``downpour``, ``sandblaster``, ``optimizers``, ``compression``,
 ``schedules``, ``callbacks``, ``layers``, ``recipes`` and ``model_parallel``
 import TensorFlow, so they are
@@ -50,6 +51,8 @@ _NAMES = {
     "DownpourStrategy": "tfdist_ext.downpour",
     "ElasticAveragingStrategy": "tfdist_ext.downpour",
     "SandblasterStrategy": "tfdist_ext.sandblaster",
+    "MirroredStrategy": "tfdist_ext.compression",
+    "MultiWorkerMirroredStrategy": "tfdist_ext.compression",
     "CompressedMirroredStrategy": "tfdist_ext.compression",
     "CompressedMultiWorkerMirroredStrategy": "tfdist_ext.compression",
     "ModelParallelStrategy": "tfdist_ext.model_parallel",

@@ -407,6 +407,11 @@ if collective_ops is not None:
     )
 if CollectiveAllReduceExtended is not None:
     _check_sets(CollectiveAllReduceExtended, "_initialize_multi_worker", "_cross_device_ops")
+    _check(
+        CollectiveAllReduceExtended,
+        "_reduce_to",
+        params=("reduce_op", "value", "destinations", "options"),
+    )
 if CollectiveAllReduce is not None:
     _check_sets(CollectiveAllReduce, "__init__", "_launchers")
 if CollectiveReplicaLauncher is not None:
@@ -1016,6 +1021,27 @@ def claim_collective_keys(strategy):
     their strategies in the same order (the same program) agree on them.
     """
     strategy._collective_key_base = next(_collective_key_bases) * COLLECTIVE_KEY_STRIDE
+
+
+def reduce_nests(extended):
+    """Lets a ``CollectiveAllReduceExtended``'s ``_reduce_to`` take a nest of values.
+
+    Keras 3's ``fit`` reduces the first input batch, an ``(x, y)`` tuple of
+    ``PerReplica``, with ``strategy.reduce("MEAN", ...)`` before building;
+    MirroredStrategy maps over the nest, the collective extended does not
+    (it tries to convert the tuple to one tensor and fails), so plain
+    ``MultiWorkerMirroredStrategy`` cannot ``fit`` in Keras 3. Map here too.
+    """
+    original = extended._reduce_to
+
+    def _reduce_to(reduce_op, value, destinations, options):
+        if isinstance(value, (tuple, list, dict)):
+            return tf.nest.map_structure(
+                lambda v: original(reduce_op, v, destinations, options), value
+            )
+        return original(reduce_op, value, destinations, options)
+
+    extended._reduce_to = _reduce_to
 
 
 # -- pipelined all-reduce (compressed multi-worker strategy) -----------------

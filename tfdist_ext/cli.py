@@ -22,6 +22,12 @@ commands:
   server   run one TensorFlow cluster task (a gRPC tf.distribute.Server) as the
            TF_CONFIG environment variable describes; unauthenticated: run it on
            a trusted private network only (see SECURITY.md)
+  launch   start every task of a job on a list of hosts (ssh), stream the
+           chief's output, stop the job when the chief ends or a task fails
+  task     run this task of a job started by srun, a Kubernetes indexed Job or
+           launch: the command, or a server, with TF_CONFIG set
+  rehearse run a job as Slurm, Kubernetes or launch would, every task in its own
+           network namespace on this machine (root)
   demo     train an MLP on the bundled digits with DownpourStrategy on a local
            cluster (2 workers, 1 ps) and compare it with single-process Keras
 
@@ -39,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         from tfdist_ext import server
 
         return server.main(rest)
+    if command in ("launch", "task", "rehearse"):
+        import importlib
+
+        return importlib.import_module(f"tfdist_ext.{command}").main(rest)
     if command == "demo":
         from tfdist_ext import _demo
 

@@ -80,7 +80,9 @@ def ping(address, timeout=5.0):
             request_serializer=lambda request: request,
             response_deserializer=lambda reply: reply,
         )
-        reply = call(b"", timeout=timeout)
+        # wait_for_ready: a task started at the same moment as its peers (srun,
+        # a Job's pods) may not listen yet; wait for it until the deadline.
+        reply = call(b"", timeout=timeout, wait_for_ready=True)
     except grpc.RpcError as e:
         raise ClusterTimeoutError(
             f"task at {address} did not answer within {timeout:.1f}s ({e.code().name})"

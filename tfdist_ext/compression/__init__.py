@@ -41,6 +41,8 @@ from tfdist_ext.compression._compressors import TopK
 from tfdist_ext.compression._strategy import CompressedMirroredStrategy
 from tfdist_ext.compression._strategy import CompressedMultiWorkerMirroredStrategy
 from tfdist_ext.compression._strategy import CompressionState
+from tfdist_ext.compression._strategy import MirroredStrategy
+from tfdist_ext.compression._strategy import MultiWorkerMirroredStrategy
 
 _NAMES = {
     "none": NoCompression,
@@ -104,6 +106,8 @@ __all__ = [
     "CompressionLogger",
     "CompressedMirroredStrategy",
     "CompressedMultiWorkerMirroredStrategy",
+    "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "CompressionState",
     "Compressor",
     "DGC",

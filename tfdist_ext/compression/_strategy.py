@@ -37,6 +37,7 @@ import tensorflow as tf
 
 from tfdist_ext import _integration
 from tfdist_ext.compression import _wire
+from tfdist_ext.compression import _worker_files
 from tfdist_ext.compression._base import Compressor
 from tfdist_ext.compression._compressors import NoCompression
 
@@ -497,14 +498,16 @@ class _EpochClock(keras.callbacks.Callback):
         self.epoch.assign(epoch)
 
 
-class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStrategy):
-    """``tf.distribute.MirroredStrategy`` whose Keras gradient exchange is compressed.
+class MirroredStrategy(_CompressedExchange, tf.distribute.MirroredStrategy):
+    """``tf.distribute.MirroredStrategy`` that Keras 3's ``fit`` runs under, with an
+    optional compressed gradient exchange.
 
-    Inside ``model.fit``, each replica compresses its gradients with its own
-    state (error-feedback residuals, DGC momentum) and only the wire form is
-    all-gathered between devices; every replica decompresses and sums the
-    senders' wires, so replicas stay in sync. Everything else behaves like
-    ``MirroredStrategy``.
+    Dense by default. With ``compression``, each replica compresses its
+    gradients inside ``model.fit`` with its own state (error-feedback
+    residuals, DGC momentum) and only the wire form is all-gathered between
+    devices; every replica decompresses and sums the senders' wires, so
+    replicas stay in sync. Everything else behaves like ``MirroredStrategy``.
+    Also importable as ``CompressedMirroredStrategy``.
 
     Args:
       devices: as for ``MirroredStrategy``.
@@ -514,7 +517,7 @@ class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStra
 
     Example:
       >>> from tfdist_ext import compression
-      >>> strategy = CompressedMirroredStrategy(
+      >>> strategy = MirroredStrategy(
       ...     devices=["/cpu:0", "/cpu:1"],
       ...     compression=compression.ErrorFeedback(compression.TopK(0.01)))
       >>> with strategy.scope():                                   # doctest: +SKIP
@@ -533,22 +536,34 @@ class CompressedMirroredStrategy(_CompressedExchange, tf.distribute.MirroredStra
         self._setup_compression(compression)
 
 
-class CompressedMultiWorkerMirroredStrategy(
-    _CompressedExchange, tf.distribute.MultiWorkerMirroredStrategy
-):
-    """``tf.distribute.MultiWorkerMirroredStrategy`` with a compressed Keras gradient exchange.
+class MultiWorkerMirroredStrategy(_CompressedExchange, tf.distribute.MultiWorkerMirroredStrategy):
+    """``tf.distribute.MultiWorkerMirroredStrategy`` that Keras 3's ``fit`` runs under.
 
-    Each worker process runs the same program (with its own ``TF_CONFIG``);
-    the wire tensors are exchanged with collective all-gathers over gRPC.
+    A drop-in: the same arguments, ``TF_CONFIG`` read by default, every
+    worker running the same program. Dense by default; ``compression``
+    exchanges a compressed wire form with collective all-gathers over gRPC.
+    Under ``model.fit``, as in Keras's multi-worker guide (and tf.keras 2):
+
+    * only the chief writes ``ModelCheckpoint``, ``TensorBoard`` and
+      ``BackupAndRestore`` files; the other workers write to temporary
+      directories removed when ``fit`` ends (``backup_dir`` must be readable
+      by every worker, e.g. a shared file system);
+    * a worker that stops makes ``fit`` raise on every other worker (within
+      TensorFlow's heartbeat timeout, about 10 s), naming the lost task;
+      relaunched, a job with ``BackupAndRestore`` resumes from its last
+      completed epoch.
+
+    Also importable as ``CompressedMultiWorkerMirroredStrategy``.
 
     Args:
       cluster_resolver: as for ``MultiWorkerMirroredStrategy`` (default: ``TF_CONFIG``).
       communication_options: as for ``MultiWorkerMirroredStrategy``.
-      compression: a :class:`~tfdist_ext.compression.Compressor` or a name.
+      compression: a :class:`~tfdist_ext.compression.Compressor` or a name; None means dense.
 
     Example:
-      >>> strategy = CompressedMultiWorkerMirroredStrategy(   # doctest: +SKIP
-      ...     compression=compression.DGC(sparsity=0.999))
+      >>> strategy = tfdist_ext.MultiWorkerMirroredStrategy()   # doctest: +SKIP
+      >>> with strategy.scope():                                 # doctest: +SKIP
+      ...     model = make_model(); model.compile("adam", loss)
     """
 
     def __init__(
@@ -562,7 +577,17 @@ class CompressedMultiWorkerMirroredStrategy(
             cluster_resolver=cluster_resolver, communication_options=communication_options
         )
         self._setup_compression(compression)
-        _reduce_nests(self.extended)
+        _integration.reduce_nests(self.extended)
+
+    def _tfdist_fit(self, model, keras_fit, args, kwargs):
+        call = inspect.signature(keras_fit).bind(model, *args, **kwargs)
+        with _worker_files.chief_writes(self, call.arguments.get("callbacks")) as callbacks:
+            if callbacks is not None:
+                call.arguments["callbacks"] = callbacks
+            try:
+                return super()._tfdist_fit(model, keras_fit, call.args[1:], call.kwargs)
+            except _LOST_PEER_ERRORS as e:
+                raise _lost_peer(self, e) from e
 
     def _all_sum(self, tensors):
         # A pipelined ring (see _integration.pipelined_all_sum): a 40 MB sum
@@ -582,22 +607,30 @@ class CompressedMultiWorkerMirroredStrategy(
         return super().reduce(reduce_op, value, axis)
 
 
-def _reduce_nests(extended):
-    """Lets ``CollectiveAllReduceExtended._reduce_to`` take a nest of values.
+#: What TensorFlow's collectives raise once a peer task has stopped.
+_LOST_PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.AbortedError,
+    tf.errors.DeadlineExceededError,
+)
 
-    Keras 3's ``fit`` reduces the first input batch, an ``(x, y)`` tuple of
-    ``PerReplica``, with ``strategy.reduce("MEAN", ...)`` before building;
-    MirroredStrategy maps over the nest, the collective extended does not
-    (it tries to convert the tuple to one tensor and fails), so plain
-    ``MultiWorkerMirroredStrategy`` cannot ``fit`` in Keras 3. Map here too.
-    """
-    original = extended._reduce_to
 
-    def _reduce_to(reduce_op, value, destinations, options):
-        if isinstance(value, (tuple, list, dict)):
-            return tf.nest.map_structure(
-                lambda v: original(reduce_op, v, destinations, options), value
-            )
-        return original(reduce_op, value, destinations, options)
+def _lost_peer(strategy, error):
+    """``error`` (same type) with a message that says what happened and what to do."""
+    lines = [line.strip() for line in (error.message or "").splitlines() if line.strip()]
+    tasks = [line for line in lines if line.startswith("/job:")]
+    detail = "unhealthy: " + ", ".join(tasks) if tasks else (lines[0][:300] if lines else "")
+    resolver = strategy.cluster_resolver
+    message = (
+        f"{type(strategy).__name__}: a task of the cluster stopped or cannot be reached "
+        f"({detail}), so training cannot go on on this worker "
+        f"({resolver.task_type}:{resolver.task_id}). Relaunch the whole job; with "
+        "keras.callbacks.BackupAndRestore in fit's callbacks it resumes from its last "
+        "completed epoch."
+    )
+    return type(error)(error.node_def, error.op, message)
 
-    extended._reduce_to = _reduce_to
+
+#: The names these strategies had when compression was their only purpose.
+CompressedMirroredStrategy = MirroredStrategy
+CompressedMultiWorkerMirroredStrategy = MultiWorkerMirroredStrategy
