@@ -201,7 +201,9 @@ def test_hosts_launcher_rehearsal_survives_a_killed_worker_by_restarting(tmp_pat
     # Worker 1 is killed at the end of epoch 1: worker 0 raises the strategy's
     # error, the launcher stops and restarts the job, and BackupAndRestore
     # resumes it at epoch 2. Only the chief wrote checkpoints and logs.
-    result, stderr = _rehearse_killed(tmp_path)
+    result, stderr = _rehearse(
+        "hosts", 2, tmp_path, "sync", "--die", "1:1", options=["--max-restarts", "1"]
+    )
     assert "MultiWorkerMirroredStrategy: a task of the cluster stopped" in stderr
     assert "unhealthy: /job:worker/replica:0/task:1" in stderr
     assert "restarting the job (1/1)" in stderr
@@ -213,35 +215,6 @@ def test_hosts_launcher_rehearsal_survives_a_killed_worker_by_restarting(tmp_pat
         events = os.listdir(tmp_path / "logs" / part)
         assert len(events) == 2, events  # one per attempt, both the chief's
     assert not os.path.exists(tmp_path / "backup"), "the backup outlived the finished fit"
-
-
-def _rehearse_killed(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfdist_ext.cli",
-            "rehearse",
-            "hosts",
-            "--tasks",
-            "2",
-            "--max-restarts",
-            "1",
-            "--",
-            *PROGRAM,
-            "sync",
-            str(tmp_path),
-            "--die",
-            "1:1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=170,
-        cwd=REPO,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
 
 
 @needs_namespaces
