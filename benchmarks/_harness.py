@@ -175,3 +175,47 @@ def write_result(name, result, *, quick, seed, elapsed):
         json.dump(document, f, indent=2)
         f.write("\n")
     return path
+
+
+README = os.path.join(os.path.dirname(os.path.dirname(RESULTS_DIR)), "README.md")
+
+
+def readme_markers(name):
+    return (
+        f"<!-- benchmark table: {name} (python -m benchmarks.run {name} --readme) -->",
+        f"<!-- end of benchmark table: {name} -->",
+    )
+
+
+def update_readme(name, readme=README, results_dir=RESULTS_DIR):
+    """Writes ``benchmarks/results/NAME.json``'s table into the README between
+    its markers (:func:`readme_markers`); False when the README has none."""
+    with open(os.path.join(results_dir, f"{name}.json")) as f:
+        document = json.load(f)
+    with open(readme) as f:
+        text = f.read()
+    begin, end = readme_markers(name)
+    if begin not in text or end not in text:
+        return False
+    table = format_table(_readme_columns(name, document["table"]))
+    source = (
+        f"From `benchmarks/results/{name}.json` ({document['date'][:10]}, seed "
+        f"{document['seed']}, {document['elapsed_seconds']:.0f} s), made by "
+        f"`{document['command']}`."
+    )
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    with open(readme, "w") as f:
+        f.write(f"{head}{begin}\n{table}\n\n{source}\n{end}{tail}")
+    return True
+
+
+def _readme_columns(name, table):
+    """``table`` cut to the benchmark's ``README_COLUMNS``, if its module has them."""
+    import importlib
+
+    wanted = getattr(importlib.import_module(f"benchmarks.{name}"), "README_COLUMNS", None)
+    if not wanted:
+        return table
+    keep = [table["columns"].index(c) for c in wanted]
+    return {"columns": wanted, "rows": [[row[i] for i in keep] for row in table["rows"]]}

@@ -30,7 +30,16 @@ def main(argv=None):
         "--quick", action="store_true", help="few repeats and small sizes: a smoke run"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help="only write the committed results' table into README.md (no run)",
+    )
     args = parser.parse_args(argv)
+    if args.readme:
+        found = _harness.update_readme(args.name)
+        print("README.md updated" if found else f"README.md has no table for {args.name}")
+        return 0 if found else 1
     # Every process of a run, candidates and peers alike, in the environment
     # a LocalCluster task gets (TensorFlow's pooling CPU allocator included),
     # so that no side of a comparison has an allocator the other lacks.
@@ -50,6 +59,8 @@ def main(argv=None):
     for note in result.get("notes", ()):
         print(f"- {note}")
     print(f"\nwrote {os.path.relpath(path)}")
+    if not args.quick and _harness.update_readme(args.name):
+        print("updated its table in README.md")
     return 0
 
 

@@ -1,0 +1,344 @@
+"""One measured run for the ``peers`` benchmark, in its own process (internal).
+
+``python -m benchmarks._peers_run '{"system": "...", ...}'`` prints one line
+``RESULT {json}``. Systems:
+
+* ``downpour`` (Keras 3, ``tfdist_ext.DownpourStrategy``) and ``pss``
+  (``tf_keras``, ``tf.distribute.ParameterServerStrategy``): this process is
+  the chief of a ``LocalCluster`` of 2 workers and 1 ps, plain
+  ``tf.distribute.Server`` tasks.
+* ``cmwms`` (Keras 3, ``tfdist_ext.MultiWorkerMirroredStrategy``,
+  dense) and ``mwms`` (``tf_keras``, ``tf.distribute.MultiWorkerMirroredStrategy``):
+  this process starts a ``LocalCluster`` whose 2 worker tasks run this module
+  with ``--worker`` and their own ``TF_CONFIG``; worker 0's result, with the
+  slower worker's seconds.
+* ``keras3-mwms``: Keras 3 ``fit`` under plain ``MultiWorkerMirroredStrategy``,
+  expected to fail; returns the last line of worker 0's error.
+
+Every run trains a warm-up epoch (which traces), then ``epochs`` timed
+epochs, then computes held-out accuracy in numpy from ``get_weights()``, the
+same code for every system. A ``tf_keras`` run never imports Keras 3 before
+its result is printed (``keras3_loaded`` records it): the systems must not
+share a process.
+"""
+
+import json
+import os
+import sys
+import time
+
+from benchmarks._downpour_run import _cpu_seconds
+
+BATCH = 64  # examples per worker step, every system
+HIDDEN = {"digits": 128, "synthetic": 1024}
+SYNTHETIC = {"train": 8192, "test": 2048, "inputs": 256, "noise": 6.0}
+LR = 0.003
+LEGACY = ("pss", "mwms")  # the tf_keras systems
+
+
+def _keras(system):
+    if system in LEGACY:
+        import tf_keras as keras
+    else:
+        import keras
+    return keras
+
+
+def data(case, seed):
+    """``((x, y), (x_test, y_test))`` as numpy arrays."""
+    from tfdist_ext import datasets
+
+    if case == "digits":
+        return (
+            datasets.digits("train", flatten=True, as_numpy=True),
+            datasets.digits("test", flatten=True, as_numpy=True),
+        )
+    n = SYNTHETIC["train"]
+    x, y = datasets.synthetic(
+        n + SYNTHETIC["test"],
+        input_shape=(SYNTHETIC["inputs"],),
+        noise=SYNTHETIC["noise"],
+        seed=seed,
+        as_numpy=True,
+    )
+    return (x[:n], y[:n]), (x[n:], y[n:])
+
+
+def _model(keras, case, inputs, lr, steps_per_execution):
+    hidden = HIDDEN[case]
+    model = keras.Sequential(
+        [
+            keras.Input((inputs,)),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(hidden, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        optimizer=keras.optimizers.Adam(lr),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=steps_per_execution or 1,
+    )
+    return model
+
+
+def accuracy(weights, x, y):
+    """Held-out accuracy of the Dense-ReLU MLP ``weights`` (kernel, bias, ...), in numpy."""
+    import numpy as np
+
+    h = x
+    for i in range(0, len(weights), 2):
+        h = h @ weights[i] + weights[i + 1]
+        if i + 2 < len(weights):
+            h = np.maximum(h, 0.0)
+    return float((h.argmax(-1) == y).mean())
+
+
+def _timed_fit(model, train, cfg, steps, cpu_pids):
+    """A warm-up epoch, then ``cfg["epochs"]`` timed epochs of ``steps`` steps; seconds
+    and CPU seconds per job.
+
+    An epoch is ``steps`` steps of a repeated, shuffled dataset (several passes
+    over digits' 1347 examples): with ``steps_per_execution=50`` an epoch of
+    one data pass (21 or 128 steps) would hold one to three executions, so one
+    worker would idle for much of it. The warm-up epoch may be shorter
+    (``cfg["warmup_steps"]``): it only has to trace every function.
+    """
+    model.fit(train, epochs=1, steps_per_epoch=cfg.get("warmup_steps") or steps, verbose=0)
+    before = {job: _cpu_seconds(pids) for job, pids in cpu_pids.items()}
+    start = time.perf_counter()
+    model.fit(train, epochs=cfg["epochs"], steps_per_epoch=steps, verbose=0)
+    seconds = time.perf_counter() - start
+    cpu = {job: _cpu_seconds(pids) - before[job] for job, pids in cpu_pids.items()}
+    return seconds, cpu
+
+
+# --- asynchronous: this process is the chief ---------------------------------------
+
+
+def _async_input(tf, keras, cfg, x, y):
+    """Training input: Downpour's chief reads one dataset and sends its batches;
+    the peer gives each worker its own shard (TensorFlow's PSS tutorial)."""
+    seed = cfg["seed"]
+    if cfg["system"] == "downpour":
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
+        return ds.batch(BATCH, drop_remainder=True).repeat()
+
+    def dataset_fn(context):
+        ds = tf.data.Dataset.from_tensor_slices((x, y))
+        ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
+        ds = ds.shuffle(len(x), seed=seed).batch(BATCH, drop_remainder=True).repeat()
+        return ds.prefetch(2)
+
+    return keras.utils.experimental.DatasetCreator(dataset_fn)
+
+
+def _async_strategy(tf, cfg, cluster):
+    if cfg["system"] == "downpour":
+        import tfdist_ext
+
+        return tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
+    return tf.distribute.ParameterServerStrategy(cluster.resolver)
+
+
+def async_run(cfg):
+    from tfdist_ext.cluster import LocalCluster
+
+    cluster = LocalCluster(
+        num_workers=2,
+        num_ps=1,
+        intra_op_threads=1,
+        bandwidth=cfg.get("bandwidth"),
+        isolated=cfg["isolated"],
+    ).start()
+    try:
+        keras = _keras(cfg["system"])
+        import tensorflow as tf
+
+        (x, y), (xt, yt) = data(cfg["case"], cfg["seed"])
+        keras.utils.set_random_seed(cfg["seed"])
+        strategy = _async_strategy(tf, cfg, cluster)
+        train = _async_input(tf, keras, cfg, x, y)
+        with strategy.scope():
+            model = _model(keras, cfg["case"], x.shape[1], LR, cfg.get("spe"))
+        steps = cfg["steps"]
+        pids = {
+            "chief": [os.getpid()],
+            "ps": [cluster.pid("ps", 0)],
+            "worker": [cluster.pid("worker", i) for i in range(2)],
+        }
+        seconds, cpu = _timed_fit(model, train, cfg, steps, pids)
+        out = _summary(cfg, steps * BATCH, seconds, cpu, model.get_weights(), (xt, yt))
+        if cfg["system"] == "downpour":
+            out["staleness_mean"] = strategy.stats.summary()["staleness_mean"]
+        _report(out)  # before the cluster stops (which imports tfdist_ext's Keras 3 glue)
+        return out
+    finally:
+        cluster.stop()
+
+
+def _summary(cfg, examples_per_epoch, seconds, cpu, weights, test):
+    batches = cfg["epochs"] * examples_per_epoch // BATCH
+    return {
+        "examples_per_second": cfg["epochs"] * examples_per_epoch / seconds,
+        "seconds": seconds,
+        "accuracy": accuracy(weights, *test),
+        # Warm-up and timed epochs (every system alike; 2 workers' batches a
+        # synchronous step).
+        "examples_trained": BATCH
+        * ((cfg.get("warmup_steps") or cfg["steps"]) + cfg["epochs"] * cfg["steps"]),
+        # CPU milliseconds per BATCH examples trained, each kind of process
+        # (a synchronous step trains two such batches, one per worker).
+        "cpu_ms_per_batch": {job: 1e3 * c / batches for job, c in cpu.items()},
+        "keras3_loaded": "keras" in sys.modules,
+        "tf_keras_loaded": "tf_keras" in sys.modules,
+    }
+
+
+# --- synchronous: every worker runs the same program -------------------------------
+
+
+def _sync_strategy(tf, cfg):
+    if cfg["system"] == "cmwms":
+        import tfdist_ext
+        from tfdist_ext import compression
+
+        if cfg.get("compression"):
+            return tfdist_ext.MultiWorkerMirroredStrategy(
+                compression=compression.get(cfg["compression"], ratio=cfg["ratio"])
+            )
+        return tfdist_ext.MultiWorkerMirroredStrategy()
+    return tf.distribute.MultiWorkerMirroredStrategy()
+
+
+def worker(cfg):
+    """One worker of a synchronous run (its ``TF_CONFIG`` set by the cluster)."""
+    keras = _keras(cfg["system"])
+    import tensorflow as tf
+
+    # As each LocalCluster server task of the asynchronous rows: ops on one
+    # thread each (the machine's 2 cores are shared by the 2 workers).
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(3)
+    strategy = _sync_strategy(tf, cfg)
+    (x, y), (xt, yt) = data(cfg["case"], cfg["seed"])
+    keras.utils.set_random_seed(cfg["seed"])
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    train = (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=cfg["seed"])
+        .batch(2 * BATCH, drop_remainder=True)
+        .repeat()
+        .with_options(options)
+    )
+    with strategy.scope():
+        model = _model(keras, cfg["case"], x.shape[1], LR, cfg.get("spe"))
+    # The same examples per epoch as the asynchronous rows: each step trains
+    # one batch on each of the 2 workers.
+    steps = cfg["steps"] // 2
+    timing = dict(cfg, warmup_steps=(cfg.get("warmup_steps") or cfg["steps"]) // 2)
+    seconds, cpu = _timed_fit(model, train, timing, steps, {"worker": [os.getpid()]})
+    # This worker's CPU over both workers' examples: the launcher sums the two.
+    return _summary(cfg, steps * 2 * BATCH, seconds, cpu, model.get_weights(), (xt, yt))
+
+
+def _sync_cluster(cfg):
+    from tfdist_ext.cluster import LocalCluster
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return LocalCluster(
+        num_workers=2,
+        num_ps=0,
+        chief=False,
+        bandwidth=cfg.get("bandwidth"),
+        isolated=cfg["isolated"],
+        command=[sys.executable, "-m", "benchmarks._peers_run", "--worker", json.dumps(cfg)],
+        env={"PYTHONPATH": repo, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        verbose=0,
+    )
+
+
+def sync_run(cfg):
+    cluster = _sync_cluster(cfg)
+    with cluster:
+        codes = cluster.wait(timeout=cfg.get("timeout", 600))
+        outputs = [cluster.output("worker", i) for i in range(2)]
+    results = []
+    for text in outputs:
+        lines = [l for l in text.splitlines() if l.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][len("RESULT ") :]) if lines else None)
+    if any(c != 0 for c in codes.values()) or None in results:
+        raise RuntimeError(f"sync run {cfg} failed: {codes}\n" + outputs[0][-3000:])
+    out = results[0]
+    # Each worker timed its own fits; the run lasts as long as the slower one.
+    out["seconds"] = max(r["seconds"] for r in results)
+    out["examples_per_second"] = min(r["examples_per_second"] for r in results)
+    out["cpu_ms_per_batch"]["worker"] = sum(r["cpu_ms_per_batch"]["worker"] for r in results)
+    return out
+
+
+def keras3_mwms(cfg):
+    """Keras 3 ``fit`` under plain ``MultiWorkerMirroredStrategy``: worker 0's last error line."""
+    cluster = _sync_cluster(dict(cfg, system="keras3-mwms"))
+    with cluster:
+        try:
+            codes = cluster.wait(timeout=cfg.get("timeout", 180))
+        except Exception as e:  # noqa: BLE001 - a hang is a result too
+            codes = {"wait": repr(e)}
+        text = cluster.output("worker", 0)
+    lines = [l for l in text.splitlines() if l.strip()]
+    starts = [i for i, l in enumerate(lines) if _is_error_line(l)]
+    error = None
+    if starts:
+        # The message can span lines (it prints the PerReplica's arrays): its
+        # first line and the output's last one.
+        first, last = lines[starts[-1]], lines[-1].strip()
+        error = first if starts[-1] == len(lines) - 1 else f"{first} ... {last}"
+    return {"exit_codes": codes, "error": error, "tail": lines[-15:]}
+
+
+def _is_error_line(line):
+    """A traceback's last line, ``SomeError: message`` (no indentation)."""
+    head = line.split(":", 1)[0]
+    return (
+        not line.startswith(" ")
+        and head.replace(".", "").isidentifier()
+        and (head.endswith("Error") or head.endswith("Exception"))
+    )
+
+
+def _keras3_worker(cfg):
+    import keras
+    import tensorflow as tf
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    (x, y), _ = data(cfg["case"], cfg["seed"])
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(2 * BATCH, drop_remainder=True)
+    with strategy.scope():
+        model = _model(keras, cfg["case"], x.shape[1], LR, None)
+    model.fit(train.repeat(), epochs=1, steps_per_epoch=4, verbose=0)
+    return {"trained": True}
+
+
+def _report(out):
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+def main():
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if sys.argv[1] == "--worker":
+        cfg = json.loads(sys.argv[2])
+        out = (_keras3_worker if cfg["system"] == "keras3-mwms" else worker)(cfg)
+    else:
+        cfg = json.loads(sys.argv[1])
+        if cfg["system"] in ("downpour", "pss"):
+            async_run(cfg)  # reports before its cluster stops
+            return
+        out = (keras3_mwms if cfg["system"] == "keras3-mwms" else sync_run)(cfg)
+    _report(out)
+
+
+if __name__ == "__main__":
+    main()

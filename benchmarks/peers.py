@@ -1,0 +1,265 @@
+"""``peers``: this package's strategies against legacy ``tf_keras`` with TensorFlow's own.
+
+What a user who stays on ``tf_keras`` (Keras 2, ``pip install tf-keras``)
+runs today, side by side with this package on Keras 3; same model, data,
+batch (64 per worker step), threads and cluster shape:
+
+* asynchronous: ``tfdist_ext.DownpourStrategy`` (n_fetch = n_push = 1; its
+  default rounds, and ``steps_per_execution=50``) against
+  ``tf.distribute.ParameterServerStrategy`` with ``tf_keras`` ``model.fit``
+  (``steps_per_execution`` 1 and 50, each worker reading its own shard of
+  the data as in TensorFlow's tutorial); 2 workers and 1 ps, plain
+  ``tf.distribute.Server`` tasks of a ``LocalCluster`` (one intra-op thread
+  each), the chief the run's own process;
+* synchronous: ``tfdist_ext.MultiWorkerMirroredStrategy()`` (dense)
+  against ``tf.distribute.MultiWorkerMirroredStrategy`` with
+  ``tf_keras``; 2 SPMD worker processes with their own ``TF_CONFIG``,
+  started by a ``LocalCluster(command=...)``;
+* on 100 Mbit/s links also the knobs only this package has: Downpour at
+  n_fetch = n_push = 5 against the peer's best (``steps_per_execution=50``),
+  and the synchronous strategy with error-feedback top-1% compression.
+
+Models: an MLP 64-128-128-10 on the bundled digits and a 256-1024-1024-10
+MLP (1.3M parameters) on seeded synthetic data; on 127.0.0.1 and on links of
+100 Mbit/s (each task in its own network namespace). Metrics: examples/s over
+the timed epochs after a warm-up epoch, and held-out accuracy after the
+same examples. Every run is its own process (``benchmarks/_peers_run.py``;
+``tf_keras`` and Keras 3 never share one); the systems of a case are
+interleaved round by round and summarised by medians. The benchmark also
+runs Keras 3 ``fit`` under plain ``MultiWorkerMirroredStrategy`` once and
+records its error.
+"""
+
+import importlib.metadata
+
+from benchmarks import _harness
+
+CANDIDATES = {
+    "downpour-n1": {"system": "downpour", "n": 1},
+    "downpour-n1-spe50": {"system": "downpour", "n": 1, "spe": 50},
+    "cmwms-dense": {"system": "cmwms"},
+    # The knobs only this package has (100 Mbit/s cases): fewer, larger
+    # exchanges with the parameter server, and a compressed all-reduce.
+    "downpour-n5": {"system": "downpour", "n": 5},
+    "mwms-ef-topk1%": {"system": "cmwms", "compression": "ef_topk", "ratio": 0.01},
+}
+KNOBS = ("downpour-n5", "mwms-ef-topk1%")
+PEERS = {
+    "tf_keras-pss": {"system": "pss"},
+    "tf_keras-pss-spe50": {"system": "pss", "spe": 50},
+    "tf_keras-mwms": {"system": "mwms"},
+}
+# (row, candidate, peer) of the table, per case.
+PAIRS = (
+    ("async, default", "downpour-n1", "tf_keras-pss"),
+    ("async, spe 50", "downpour-n1-spe50", "tf_keras-pss-spe50"),
+    ("sync (all-reduce)", "cmwms-dense", "tf_keras-mwms"),
+    ("async, n_fetch=n_push=5", "downpour-n5", "tf_keras-pss-spe50"),
+    ("sync, EF top-1% compression", "mwms-ef-topk1%", "tf_keras-mwms"),
+)
+LEGACY_ENV = {"TF_USE_LEGACY_KERAS": "1"}  # tf.keras is tf_keras in the peer's processes
+KERAS3_ENV = {"TF_USE_LEGACY_KERAS": None}
+RUN_TIMEOUT = 600  # seconds, one run (a process and its cluster)
+
+
+def _plan(quick):
+    """Cases: (model, network, steps per epoch, warm-up steps, timed epochs, systems).
+
+    Steps are asynchronous steps of one 64-example batch (a synchronous step
+    trains two). On 100 Mbit/s a step of the synthetic MLP moves its 5.3 MB
+    of parameters and of gradients across the ps's link, about half a second
+    a step; there the ``steps_per_execution=50`` rows are left out, since
+    epochs of several executions per worker would take minutes a run.
+    """
+    plain = [s for s in list(CANDIDATES) + list(PEERS) if s not in KNOBS]
+    every = plain + list(KNOBS)
+    no_spe = [s for s in every if not s.endswith("spe50")]
+    if quick:
+        return [
+            ("digits", "loopback", 100, 100, 1, plain),
+            ("digits", "100mbit", 100, 100, 1, every),
+        ]
+    return [
+        ("digits", "loopback", 200, 100, 2, plain),
+        ("synthetic", "loopback", 200, 100, 1, plain),
+        ("digits", "100mbit", 200, 100, 1, every),
+        ("synthetic", "100mbit", 40, 10, 1, no_spe),
+    ]
+
+
+def _cfg(name, model, network, steps, warmup, epochs, seed):
+    base = dict(CANDIDATES.get(name) or PEERS[name])
+    base.update(case=model, steps=steps, warmup_steps=warmup, epochs=epochs, seed=seed)
+    if network == "loopback":
+        return dict(base, isolated=False)
+    return dict(base, isolated=True, bandwidth=network)
+
+
+def _run(name, cfg):
+    env = LEGACY_ENV if name in PEERS else KERAS3_ENV
+    return _harness.run_in_process("benchmarks._peers_run", cfg, RUN_TIMEOUT, env=env)
+
+
+def _measure_case(model, network, steps, warmup, epochs, systems, repeats, seed):
+    """Every system of one case, interleaved: ``{system: [run, ...]}``."""
+    runs = {name: [] for name in systems}
+
+    def measure(name):
+        def one():
+            out = _run(name, _cfg(name, model, network, steps, warmup, epochs, seed))
+            runs[name].append(out)
+            return out["examples_per_second"]
+
+        return one
+
+    _harness.interleaved({name: measure(name) for name in systems}, repeats, warmup=0)
+    return runs
+
+
+def _keras3_mwms_error(seed):
+    """Keras 3 ``fit`` under plain ``MultiWorkerMirroredStrategy`` (2 workers): its error."""
+    cfg = {"system": "keras3-mwms", "case": "digits", "seed": seed, "isolated": False}
+    return _harness.run_in_process("benchmarks._peers_run", cfg, 300, env=KERAS3_ENV)
+
+
+def _cpu(run):
+    """CPU milliseconds per 64 examples trained, every process of the run together."""
+    return sum(run["cpu_ms_per_batch"].values())
+
+
+def _medians(runs):
+    """Per system: medians of examples/s, accuracy and CPU, and the examples trained."""
+    return {
+        name: {
+            "eps": _harness.median([r["examples_per_second"] for r in rs]),
+            "acc": _harness.median([r["accuracy"] for r in rs]),
+            "cpu": _harness.median([_cpu(r) for r in rs]),
+            "examples": rs[0]["examples_trained"],
+        }
+        for name, rs in runs.items()
+    }
+
+
+def _pairs(systems):
+    """The table's pairs present in a case, and the best of each side asynchronously."""
+    pairs = [p for p in PAIRS if p[1] in systems and p[2] in systems]
+    return pairs + [("async, best of each", None, None)]
+
+
+def _rows(model, network, med):
+    rows = []
+    for row, cand, peer in _pairs(med):
+        if cand is None:
+            own = [s for s in med if s.startswith("downpour") and s not in KNOBS]
+            cand = max(own, key=lambda s: med[s]["eps"])
+            peer = max(
+                (s for s in med if s.startswith("tf_keras-pss")), key=lambda s: med[s]["eps"]
+            )
+        c, p = med[cand], med[peer]
+        rows.append(
+            [
+                model,
+                network,
+                row,
+                cand,
+                peer,
+                c["eps"],
+                p["eps"],
+                c["eps"] / p["eps"],
+                c["acc"],
+                p["acc"],
+                c["examples"],
+                c["cpu"],
+                p["cpu"],
+            ]
+        )
+    return rows
+
+
+def _figures(model, network, runs):
+    figures = []
+    for name, rs in runs.items():
+        case = f"{model}/{network}"
+        side = {"side": "candidate" if name in CANDIDATES else "peer"}
+        eps = [r["examples_per_second"] for r in rs]
+        figures += [
+            _harness.figure(case, name, "throughput", "examples/s", eps, **side),
+            _harness.figure(
+                case, name, "accuracy", "held-out accuracy", [r["accuracy"] for r in rs]
+            ),
+            _harness.figure(case, name, "cpu", "CPU ms per 64 examples", [_cpu(r) for r in rs]),
+        ]
+        if name.startswith("downpour"):
+            staleness = [r["staleness_mean"] for r in rs]
+            figures.append(_harness.figure(case, name, "staleness", "mean", staleness))
+    return figures
+
+
+#: The README's compact table (the Benchmarks page has every column).
+README_COLUMNS = ["model", "network", "row", "cand/peer", "cand acc", "peer acc"]
+COLUMNS = [
+    "model",
+    "network",
+    "row",
+    "candidate",
+    "peer",
+    "cand ex/s",
+    "peer ex/s",
+    "cand/peer",
+    "cand acc",
+    "peer acc",
+    "examples trained",
+    "cand CPU ms/64ex",
+    "peer CPU ms/64ex",
+]
+
+
+def run(quick=False, seed=0):
+    repeats = 1 if quick else 3
+    failure = _keras3_mwms_error(seed)
+    figures, rows, plan = [], [], _plan(quick)
+    for model, network, steps, warmup, epochs, systems in plan:
+        runs = _measure_case(model, network, steps, warmup, epochs, systems, repeats, seed)
+        figures += _figures(model, network, runs)
+        rows += _rows(model, network, _medians(runs))
+    return {
+        "candidate": "DownpourStrategy and MultiWorkerMirroredStrategy on Keras 3",
+        "peer": "tf_keras 2.21 with tf.distribute.ParameterServerStrategy and "
+        "MultiWorkerMirroredStrategy",
+        "figures": figures,
+        "table": {"columns": COLUMNS, "rows": rows},
+        # The peer's Keras (the runner records the others' versions).
+        "tf_keras_version": importlib.metadata.version("tf-keras"),
+        "keras3_plain_mwms": failure,
+        "plan": [list(p[:5]) for p in plan],
+        "notes": _notes(quick, seed, repeats, plan, failure),
+    }
+
+
+def _notes(quick, seed, repeats, plan, failure):
+    sizes = "; ".join(f"{m}/{n}: {w} warm-up + {e} x {s} timed steps" for m, n, s, w, e, _ in plan)
+    return [
+        f"{repeats} interleaved repeat(s) per case, medians, seed {seed} (data, "
+        "shuffles and initial weights the same in every repeat). Measured on a shared "
+        "2-core machine (another engineer's tests ran at the same time): chief, ps and "
+        "workers of a run share its 2 cores.",
+        f"Steps of one 64-example batch (a synchronous step trains one on each of the 2 "
+        f"workers, so the same examples take half the steps): {sizes}. Epochs span several "
+        "passes over the data so that steps_per_execution=50 gives each worker several "
+        "executions an epoch. examples/s: timed epochs only; accuracy: after all of "
+        "them, the warm-up included, computed in numpy from get_weights().",
+        "Optimizer Adam(0.003), sparse categorical cross-entropy; the synthetic set is "
+        "datasets.synthetic(8192 + 2048, input_shape=(256,), noise=6.0, seed=seed) "
+        "(logistic regression: about 0.7 held out).",
+        "Threads: every ps and worker task one intra-op thread (the synchronous workers "
+        "set the same, and 3 inter-op threads as the servers get); chiefs TensorFlow's "
+        "defaults. 100mbit: LocalCluster(isolated=True, bandwidth='100mbit'), each task "
+        "in its own network namespace behind a tc token bucket of 100 Mbit/s; the "
+        "synchronous rows use the same namespaces through LocalCluster(command=...). "
+        "loopback: 127.0.0.1, no limit.",
+        "CPU ms/64ex: user + system CPU of every process of a run (chief, ps, workers) "
+        "during the timed epochs, per 64 examples.",
+        "Keras 3 model.fit under plain tf.distribute.MultiWorkerMirroredStrategy (2 "
+        f"workers, TF_CONFIG, exit codes {failure.get('exit_codes')}): "
+        f"{failure.get('error')}",
+    ]
