@@ -273,168 +273,6 @@ def _compute_seconds(tf, keras, cfg, x, y, repeats):
     return statistics.median(times)
 
 
-def shapes(hidden):
-    """The trainable variables' shapes of :func:`model`."""
-    return [(40, hidden), (hidden,), (hidden, hidden), (hidden,), (hidden, 10), (10,)]
-
-
-def _median_seconds(run, repeats):
-    """Median wall seconds of ``run()`` over ``repeats`` calls after a first, untimed one."""
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def aggregate_seconds(method, hidden, senders=2, repeats=10, seed=0):
-    """Median seconds of ``compressor.aggregate`` over ``senders`` wires of every gradient.
-
-    What a gather-exchange worker does after the all-gather (DGC: the sparse
-    scatter-add into dense tensors), timed on its own on one thread, as the
-    strategy's clock (``compression_stats()["seconds"]``) stops before the
-    exchange. ``None`` for PowerSGD, whose clock already covers its rounds.
-    """
-    import tensorflow as tf
-
-    from tfdist_ext import compression as C
-
-    compressor, _ = _compressor(C, method, 100)
-    if method == "powersgd":
-        return None
-    compressor = compressor or C.NoCompression()
-    tf.random.set_seed(seed)
-    wires = []
-    for shape in shapes(hidden):
-        state = compressor.init(shape, tf.float32)
-        clock = {"epoch": 0} if compressor.follows_epochs else {}
-        wires.append(
-            [
-                compressor.compress(tf.random.normal(shape), state, 1, **clock)[0]
-                for _ in range(senders)
-            ]
-        )
-
-    @tf.function
-    def aggregate():
-        return [compressor.aggregate(w, shape) for w, shape in zip(wires, shapes(hidden))]
-
-    return _median_seconds(lambda: [t.numpy() for t in aggregate()], repeats)
-
-
-def apply_seconds(hidden, repeats=10, seed=0):
-    """Median seconds of one Adagrad update of every parameter of :func:`model`, one thread.
-
-    What a parameter-server shard does per push, for all its shards together.
-    """
-    import keras
-    import tensorflow as tf
-
-    tf.random.set_seed(seed)
-    variables = [tf.Variable(tf.random.normal(shape)) for shape in shapes(hidden)]
-    grads = [tf.random.normal(shape) for shape in shapes(hidden)]
-    optimizer = keras.optimizers.Adagrad(0.05)
-    optimizer.build(variables)
-
-    @tf.function
-    def apply():
-        optimizer.apply(grads, variables)
-
-    def applied():
-        apply()
-        variables[0].numpy()
-
-    return _median_seconds(applied, repeats)
-
-
-def local_exchange(method, hidden, seed=0, states_too=True):
-    """``method``'s ``exchange`` on every gradient of :func:`model`, an identity in place of
-    its all-reduce: a function returning the sums and the new states, flat.
-
-    The states are returned too: unreturned, their work (PowerSGD's
-    residual) is pruned from the traced function, which ``states_too=False``
-    asks for (the sums alone).
-    """
-    import tensorflow as tf
-
-    from tfdist_ext import compression as C
-
-    compressor, _ = _compressor(C, method, 100)
-    tf.random.set_seed(seed)
-    grads = [tf.random.normal(shape) for shape in shapes(hidden)]
-    states = [compressor.init(shape, tf.float32) for shape in shapes(hidden)]
-
-    @tf.function
-    def exchange():
-        totals, new_states, _ = compressor.exchange(grads, states, 1, lambda tensors: tensors)
-        return tf.nest.flatten((totals, new_states) if states_too else totals)
-
-    return exchange
-
-
-def _exchange_seconds(method, hidden, repeats=10, seed=0, states_too=True):
-    """Median seconds of :func:`local_exchange` on one call after a first, untimed one."""
-    exchange = local_exchange(method, hidden, seed, states_too)
-    return _median_seconds(lambda: [t.numpy() for t in exchange()], repeats)
-
-
-def factorise_seconds(hidden, repeats=10, seed=0):
-    """Median seconds of PowerSGD's local work on every gradient of :func:`model`, one thread.
-
-    ``PowerSGD.exchange`` without its two all-reduce rounds: the error
-    feedback, the matrix products, the orthogonalisation and the
-    reconstruction each worker computes. The strategy's clock for PowerSGD
-    spans its rounds, so this is measured on its own.
-    """
-    return _exchange_seconds("powersgd", hidden, repeats, seed)
-
-
-def factorise_sums_seconds(hidden, repeats=10, seed=0):
-    """Median seconds of the part of :func:`factorise_seconds` the sums need, one thread.
-
-    Everything but the residual's update (the error feedback's new state),
-    which needs no sum: in the strategy it can run while the second round
-    is on the wire.
-    """
-    return _exchange_seconds("powersgd", hidden, repeats, seed, states_too=False)
-
-
-def cast_seconds(hidden, repeats=10, seed=0):
-    """Median seconds of FP16's local work on every gradient of :func:`model`, one thread.
-
-    ``FP16.exchange`` without its all-reduce: every gradient cast to half
-    precision and the sums cast back, which the ring's per-byte cost does not
-    include.
-    """
-    return _exchange_seconds("fp16", hidden, repeats, seed)
-
-
-def local_costs(method, hidden):
-    """The local per-step costs the scaling model needs beside compute (see ``scaling_model``).
-
-    ``aggregate_seconds``: {senders: seconds} of :func:`aggregate_seconds` at 2
-    and 8 senders (gather exchanges); ``apply_seconds``: :func:`apply_seconds`
-    (Downpour); ``factorise_seconds``, ``factorise_sums_seconds``: :func:`factorise_seconds`
-    and :func:`factorise_sums_seconds` (PowerSGD);
-    ``cast_seconds``: :func:`cast_seconds` (fp16).
-    """
-    if method == "ps":
-        return {"apply_seconds": apply_seconds(hidden)}
-    if method == "dense":  # summed inside the all-reduce
-        return {"aggregate_seconds": None}
-    if method == "fp16":
-        return {"aggregate_seconds": None, "cast_seconds": cast_seconds(hidden)}
-    if method == "powersgd":
-        return {
-            "aggregate_seconds": None,
-            "factorise_seconds": factorise_seconds(hidden),
-            "factorise_sums_seconds": factorise_sums_seconds(hidden),
-        }
-    return {"aggregate_seconds": {str(k): aggregate_seconds(method, hidden, k) for k in (2, 8)}}
-
-
 def _one_thread(tf):
     """A synchronous worker's threads: ops on one thread each, two at once.
 
@@ -457,7 +295,6 @@ def worker(cfg):
     compressor, momentum = _compressor(C, cfg["method"], steps_per_epoch)
     strategy = C.CompressedMultiWorkerMirroredStrategy(compression=compressor)
     compute = _compute_seconds(tf, keras, cfg, x, y, cfg["compute_repeats"])
-    costs = local_costs(cfg["method"], cfg["hidden"])
     keras.utils.set_random_seed(cfg["seed"])
     options = tf.data.Options()
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
@@ -485,7 +322,6 @@ def worker(cfg):
     )
     _summarise(out, out.pop("chunks"))
     out["compute_seconds"] = compute
-    out.update(costs)
     stats = strategy.compression_stats()
     out["compressor_bytes_per_step"] = stats["wire_bytes"] / max(1, stats["steps"])
     out["compress_seconds_per_step"] = stats["seconds"] / max(1, stats["steps"])
@@ -575,7 +411,6 @@ def downpour(cfg):
             net, train_data, cfg, lambda: _accuracy(net, xt, yt), counters, cfg["chunk"] // 2
         )
         _summarise(out, out.pop("chunks"))
-        out.update(local_costs("ps", cfg["hidden"]))
         summary = strategy.stats.summary()
         out.update(
             push_bytes_per_step=summary["push_bytes_per_step"],

@@ -24,7 +24,7 @@ Every run is its own process (``benchmarks/_network_run.py``) on a fresh
 
 Per block (model x link) the dense run comes first (its final accuracy is the
 target, its training time the budget of the others); the other systems follow
-in an order rotated from block to block. Results feed ``scaling_model``.
+in an order rotated from block to block.
 """
 
 import os
@@ -51,8 +51,7 @@ ROUND_BLOCKS = 8
 UNLIMITED_BUDGET = 8.0  # training seconds of a run on links without a rate limit
 # Passes over the configurations on links without a rate limit (median per
 # configuration): their CPU-bound steps moved by up to 19% between two runs
-# of the same code (benchmarks/NOTES.md, 2026-11-27), as much as the scaling
-# model missed them by.
+# of the same code (benchmarks/NOTES.md, 2026-11-27).
 UNLIMITED_PASSES = 3
 
 
@@ -153,12 +152,6 @@ def _row(link, model, cfg, out, compute):
         "step_seconds": step,
         "examples_per_second": examples / step,
         "compress_seconds": out.get("compress_seconds_per_step"),
-        # Local costs for scaling_model (absent from results before they were recorded).
-        "aggregate_seconds": out.get("aggregate_seconds"),
-        "apply_seconds": out.get("apply_seconds"),
-        "factorise_seconds": out.get("factorise_seconds"),
-        "factorise_sums_seconds": out.get("factorise_sums_seconds"),
-        "cast_seconds": out.get("cast_seconds"),
         # Downpour: the share of rounds that began from prefetched parameters.
         "prefetched_fraction": out.get("prefetched_fraction"),
         "busiest_link_bytes": busiest,
@@ -195,8 +188,7 @@ def block_compute(rows):
     (dense, fp16, DGC and PowerSGD alike); a Downpour run times none. The
     block's median of those timings stands for its compute, rather than any
     one run's (on 2026-11-27 the dense run's timing was 0.058 s, the three
-    others' 0.033-0.034 s). ``scaling_model`` applies it to results recorded
-    before Downpour rows carried it.
+    others' 0.033-0.034 s).
     """
     samples = {}
     for row in rows:

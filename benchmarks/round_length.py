@@ -12,18 +12,11 @@ benchmark's 10M-parameter MLP at 100 Mbit/s, n_fetch = n_push = 5, 1 and 2
 ``network`` benchmark runs Downpour (``benchmarks/_network_run.py``: one
 ``fit`` a chunk of four rounds, two a worker, after an untimed ``fit`` of
 two rounds). One run per point; runs alternate between the shard counts, b
-ascending. Each point is set beside:
-
-* its ideal, as ``network`` computes it (half the compute of a step, both
-  workers computing at once, plus the busiest link's bytes at the link
-  rate), with the compute timed once in its own process on one thread;
-* ``scaling_model``'s prediction with the parameters fitted to
-  ``benchmarks/results/network.json`` (which holds only
-  ``network.ROUND_BLOCKS`` blocks a round: 8 since 2026-11-26 afternoon,
-  4 before, and for n = 1 then 5): out of sample for every other b.
+ascending. Each point is set beside its ideal, as ``network`` computes it
+(half the compute of a step, both workers computing at once, plus the
+busiest link's bytes at the link rate), with the compute timed once in its
+own process on one thread.
 """
-
-import os
 
 from benchmarks import _harness
 from benchmarks import network
@@ -48,35 +41,9 @@ def _cfg(seed, blocks, shards):
     )
 
 
-def _model_parameters():
-    """``scaling_model``'s parameters fitted to the committed ``network`` result (or ``None``)."""
-    from benchmarks import scaling_model
-
-    path = os.path.join(_harness.RESULTS_DIR, "network.json")
-    if not os.path.exists(path):
-        return None
-    return scaling_model.fit(scaling_model.points(scaling_model.load(path)))
-
-
-def _predicted(params, row):
-    """``scaling_model``'s step for a run's ``row``, in seconds (``None`` without parameters).
-
-    The row is a ``network`` row, so ``scaling_model.points`` reads it as it
-    reads the ``network`` benchmark's (its blocks from the round's steps),
-    its tasks sharing this machine's cores.
-    """
-    if params is None:
-        return None
-    from benchmarks import scaling_model
-
-    point = scaling_model.points({"runs": [row], "machine": _harness.machine_info()})[0]
-    return scaling_model.predict(point, point["workers"], point["bps"], params)
-
-
 def run(quick=False, seed=0):
     blocks = (1, 4) if quick else BLOCKS
     compute = network._run(dict(_cfg(seed, 1, 1), system="compute"))["compute_seconds"]
-    params = _model_parameters()
     rows = []
     for b in blocks:
         for shards in SHARDS if b % 2 else SHARDS[::-1]:
@@ -84,7 +51,6 @@ def run(quick=False, seed=0):
             out = network._run(cfg)
             row = network._row(LINK, MODEL, cfg, out, compute)
             row.update(blocks=b, steps_per_round=b * N)
-            row["predicted_seconds"] = _predicted(params, row)
             rows.append(row)
             print(
                 f"b={b} ps={shards}: {row['step_seconds']:.3f}s/step "
@@ -93,8 +59,7 @@ def run(quick=False, seed=0):
             )
     return {
         "candidate": f"DownpourStrategy, rounds of b blocks of n = {N} steps (b in {list(blocks)})",
-        "peer": "the ideal step (compute plus the busiest link's bytes at the link rate) and "
-        "scaling_model's prediction",
+        "peer": "the ideal step (compute plus the busiest link's bytes at the link rate)",
         "figures": [
             _harness.figure(
                 f"{MODEL} {LINK} n={N} ps={r['ps']} b={r['blocks']}",
@@ -107,7 +72,7 @@ def run(quick=False, seed=0):
         ],
         "runs": rows,
         "table": table(rows),
-        "notes": _notes(seed, compute, params),
+        "notes": _notes(seed, compute),
     }
 
 
@@ -121,12 +86,9 @@ def table(rows):
         "busiest link MB/step",
         "ideal s",
         "achieved/ideal",
-        "model s",
-        "model error %",
     ]
     body = []
     for r in sorted(rows, key=lambda r: (r["ps"], r["blocks"])):
-        predicted = r.get("predicted_seconds")
         body.append(
             [
                 r["ps"],
@@ -136,23 +98,15 @@ def table(rows):
                 round(r["busiest_link_bytes"] / 1e6, 2),
                 round(r["ideal_seconds"], 3),
                 round(r["achieved_over_ideal"], 2),
-                round(predicted, 3) if predicted else "-",
-                round(100 * (predicted / r["step_seconds"] - 1), 1) if predicted else "-",
             ]
         )
     return {"columns": columns, "rows": body}
 
 
-def _notes(seed, compute, params):
-    fitted = (
-        "scaling_model's parameters fitted to benchmarks/results/network.json"
-        if params
-        else "no benchmarks/results/network.json: no model column"
-    )
+def _notes(seed, compute):
     return [
         f"Seed {seed}. 2 workers, {MODEL} parameters, {LINK} links, n_fetch = n_push = {N}, "
         f"batch {network.BATCH} per worker; compute {compute:.3f} s a step (one thread).",
         "Step = a chunk's seconds over its steps (one fit of four rounds, two a worker, after "
         "an untimed fit of two rounds), as in the network benchmark's Downpour rows.",
-        f"Model column: {fitted}.",
     ]

@@ -163,34 +163,11 @@ def test_round_length_runs_the_network_benchmarks_downpour_with_b_blocks_a_round
         "link_bytes_per_step": {"worker:0": [4.2e6, 4.2e6], "ps:0": [2.1e6, 2.1e6]},
         "push_bytes_per_step": 4e6,
         "fetch_bytes_per_step": 4e6,
-        "apply_seconds": 0.05,
         "seconds_to_target": None,
         "curve": [[120, 30.0, 0.2]],
         "steps": 240,
     }
     row = network._row("100mbit", "10M", cfg, out, 0.17)
     row.update(blocks=8, steps_per_round=40)
-    # The model's step for these inputs: its own function, with b = 8 and 2 shards.
-    params = {"parameter_server": (0.01, 1.2, 5e-9)}
-    predicted = round_length._predicted(params, row)
-    from benchmarks import scaling_model
-
-    expected = scaling_model.ps_seconds(
-        0.17,
-        4.0 * row["params"],
-        2,
-        1e8,
-        0.01,
-        1.2,
-        2 / 5,
-        gamma=5e-9,
-        shards=2,
-        every=5,
-        apply=0.05,
-        blocks=8,
-    )
-    assert predicted == pytest.approx(expected)
-    assert round_length._predicted(None, row) is None
-    row["predicted_seconds"] = predicted
     text = _harness.format_table(round_length.table([row]))
     assert "0.6" in text and "40" in text

@@ -154,7 +154,7 @@ def tbf_burst_bytes(bits_per_second):
     """Bytes a link's token bucket holds: at least 32 KiB and 4 ms of traffic at the rate.
 
     A transfer that finds the bucket full crosses this many bytes at once,
-    not at the rate (``benchmarks.scaling_model`` counts it).
+    not at the rate: a link lets short bursts through faster than its rate.
     """
     return max(32 * 1024, int(bits_per_second) // 8 // 250)
 
