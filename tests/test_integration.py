@@ -48,6 +48,17 @@ def test_no_os_exit_in_the_package():
             "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
             "_all_reduce_sum_gradients is missing",
         ),
+        # CompressedBackupAndRestore restores the compressor state where Keras
+        # restores the model.
+        (
+            "keras.src.callbacks.backup_and_restore.BackupAndRestore._load_model",
+            "BackupAndRestore._load_model is missing",
+        ),
+        # ModelParallelStrategy's extended returns its updates' local results.
+        (
+            "tensorflow.python.distribute.one_device_strategy.OneDeviceExtended._local_results",
+            "OneDeviceExtended._local_results is missing",
+        ),
         # The compressed multi-worker strategy's ring (checked last, before the raise).
         ("tensorflow.python.ops.collective_ops.all_reduce_v2", "all_reduce_v2 is missing"),
     ],
@@ -78,6 +89,121 @@ else:
     assert "IMPORT_ERROR" in out, out
     assert named in out
     assert "tfdist_ext does not support Keras" in out and "tested: Keras" in out
+
+
+# Replaces a method by one that calls it, with source of its own: as a release
+# whose method no longer sets (or contains) what the package reads.
+REWRITE = """
+def rewrite(module, cls, name):
+    import importlib
+
+    owner = getattr(importlib.import_module(module), cls)
+    original = getattr(owner, name)
+
+    def method(self, *args, **kwargs):
+        return original(self, *args, **kwargs)
+
+    method.__module__, method.__qualname__ = original.__module__, original.__qualname__
+    setattr(owner, name, method)
+"""
+
+UNREGISTER_SHARDED_CONVERSION = """
+from tensorflow.python.distribute.sharded_variable import ShardedVariable
+from tensorflow.python.framework import tensor_conversion_registry as registry
+for funcs in registry._tensor_conversion_func_registry.values():
+    funcs[:] = [(base, f) for base, f in funcs if base is not ShardedVariable]
+registry._tensor_conversion_func_cache.clear()
+"""
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        # LinearScalingWarmup reads the rate an optimizer was given.
+        (
+            "rewrite('keras.src.optimizers.base_optimizer', 'BaseOptimizer', '__init__')",
+            "BaseOptimizer.__init__ no longer sets _learning_rate",
+        ),
+        # apply_goyal_recipe reads a functional model's graph backwards.
+        (
+            "rewrite('keras.src.ops.operation', 'Operation', '__init__')",
+            "Operation.__init__ no longer sets _inbound_nodes",
+        ),
+        (
+            "rewrite('keras.src.ops.node', 'Node', '__init__')",
+            "Node.__init__ no longer contains 'tensor._keras_history = KerasHistory('",
+        ),
+        # ModelParallelStrategy's extended places on TensorFlow's own device.
+        (
+            "rewrite('tensorflow.python.distribute.one_device_strategy', "
+            "'OneDeviceExtended', '__init__')",
+            "OneDeviceExtended.__init__ no longer sets _device",
+        ),
+        # Keras saving reads a split variable as one array.
+        (UNREGISTER_SHARDED_CONVERSION, "ShardedVariable no longer converts to one tensor"),
+    ],
+    ids=["learning_rate", "inbound_nodes", "keras_history", "one_device", "sharded_variable"],
+)
+def test_a_rewritten_internal_fails_at_import_with_one_clear_message(
+    script, tmp_path, change, named
+):
+    (tmp_path / "rewritten.py").write_text(REWRITE)
+    proc = script(
+        f"""
+import sys
+sys.path.insert(0, {str(tmp_path)!r})
+import keras
+from rewritten import rewrite
+{change}
+import tfdist_ext   # light: TensorFlow-backed parts load on first use
+try:
+    tfdist_ext.DownpourStrategy
+except ImportError as e:
+    print("IMPORT_ERROR", e)
+else:
+    print("IMPORTED")
+""",
+        timeout=120,
+    )
+    out = proc.stdout
+    assert "IMPORT_ERROR" in out, out
+    assert named in out
+    assert "tfdist_ext does not support Keras" in out and "tested: Keras" in out
+
+
+def test_the_doors_accessors_read_what_keras_and_tensorflow_hold():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist_ext import _integration
+
+    inputs = keras.Input((3,))
+    dense = keras.layers.Dense(2)
+    outputs = dense(inputs)
+    keras.Model(inputs, outputs)
+    [node] = _integration.inbound_nodes(dense)
+    assert len(node.input_tensors) == 1 and node.input_tensors[0] is inputs
+    assert _integration.producer(outputs) is dense
+    assert _integration.producer(tf.ones([1])) is None
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert _integration.given_learning_rate(keras.optimizers.SGD(schedule)) is schedule
+    rate = _integration.given_learning_rate(keras.optimizers.SGD(0.1))
+    assert not isinstance(rate, keras.optimizers.schedules.LearningRateSchedule)
+    assert float(np.asarray(rate)) == np.float32(0.1)
+
+
+def test_a_split_variable_reads_as_one_array():
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist_ext import _integration
+
+    _integration.make_sharded_variables_readable()
+    split = _integration.ShardedVariable([tf.Variable([[1.0, 2.0]]), tf.Variable([[3.0, 4.0]])])
+    np.testing.assert_array_equal(np.asarray(split), [[1.0, 2.0], [3.0, 4.0]])
+    assert np.asarray(split, dtype="float64").dtype == np.float64
+    np.testing.assert_array_equal(split.numpy(), [[1.0, 2.0], [3.0, 4.0]])
 
 
 def test_trainer_hooks_dispatch_to_the_strategy_and_record_the_running_model():

@@ -65,6 +65,28 @@ What we rely on, and why no public API does it:
   coordinator's per-worker resources, remote datasets, collective keys and
   the eager context: ``tf.distribute`` exposes the classes but not the
   extension points a Downpour round needs.
+* ``ShardedVariable`` gets the ``__array__`` (and ``numpy``) it lacks
+  (:func:`make_sharded_variables_readable`), so that Keras saving reads a
+  variable split across ``ps`` tasks as one array; the parameter-server
+  extended object gets the ``_cluster_resolver`` the public
+  ``strategy.cluster_resolver`` reads, and runs without a coordinator on
+  the chief without a warning per trace.
+* ``OneDeviceExtended``'s ``_device``, ``_local_results``,
+  ``_container_strategy`` and the methods ``ModelParallelStrategy``'s
+  extended overrides (``_create_variable``, ``_update``, the
+  ``_experimental_distribute_*`` / ``_distribute_datasets_from_function``
+  hooks).
+* ``BaseOptimizer._learning_rate`` (:func:`given_learning_rate`): the rate
+  an optimizer was given, to tell a schedule (``LinearScalingWarmup``
+  refuses one: it sets the rate itself); ``learning_rate`` is only its
+  current value.
+* ``Operation._inbound_nodes`` and a ``KerasTensor``'s ``_keras_history``
+  (:func:`inbound_nodes`, :func:`producer`): ``apply_goyal_recipe`` walks a
+  functional model's graph backwards from each ``Add`` to find the
+  normalisation ending each residual branch.
+* ``BackupAndRestore._load_model`` / ``_save_model``:
+  ``CompressedBackupAndRestore`` restores and saves the compressor state
+  where Keras restores and saves the model.
 
 Keras is pinned in ``setup.cfg`` to :data:`KERAS_TESTED`'s range; CI tests
 both ends (tox envs ``keras-oldest`` and ``keras-newest``).
@@ -245,6 +267,29 @@ if BaseOptimizer is not None:
     _check(BaseOptimizer, "_get_current_learning_rate")
     _check_source(BaseOptimizer.learning_rate.fget, "self._get_current_learning_rate()")
     _check_source(BaseOptimizer._backend_apply_gradients, "self.learning_rate")
+    # LinearScalingWarmup: the rate the optimizer was given (a schedule or
+    # not), which ``learning_rate`` (its current value) does not tell.
+    _check_sets(BaseOptimizer, "__init__", "_learning_rate")
+
+# recipes (residual_branch_norms): a functional model's graph read backwards
+# from a layer: the nodes that called it, the tensors each read, and the
+# layer that made each tensor.
+(Operation,) = _import("keras.src.ops.operation", "Operation")
+(Node, KerasHistory) = _import("keras.src.ops.node", "Node", "KerasHistory")
+if Operation is not None:
+    _check_sets(Operation, "__init__", "_inbound_nodes")
+if Node is not None:
+    _check(Node, "input_tensors")
+    _check_source(Node.__init__, "tensor._keras_history = KerasHistory(")
+if KerasHistory is not None:
+    _check(KerasHistory, "operation")
+
+# CompressedBackupAndRestore saves and restores the compressor state where
+# Keras's BackupAndRestore saves and restores the model.
+_check(keras.callbacks.BackupAndRestore, "_load_model")
+_check(keras.callbacks.BackupAndRestore, "_save_model")
+_check_source(keras.callbacks.BackupAndRestore.on_train_begin, "self._load_model()")
+_check_source(keras.callbacks.BackupAndRestore.on_epoch_end, "self._save_model()")
 
 # Elastic averaging updates each replica with Keras's backend-neutral
 # optimizer, on tensors (stateless_apply): the TensorFlow optimizer's
@@ -307,6 +352,32 @@ if distribute_lib is not None:
 if ParameterServerStrategyV2Extended is not None:
     for _name in ("_create_variable", "_update", "_create_variable_round_robin"):
         _check(ParameterServerStrategyV2Extended, _name)
+# Keras saving reads a split variable as one array (make_sharded_variables_readable):
+# TensorFlow converts a ShardedVariable to one tensor, its shards concatenated.
+(tensor_conversion_functions,) = _import(
+    "tensorflow.python.framework.tensor_conversion_registry", "get"
+)
+if ShardedVariable is not None and tensor_conversion_functions is not None:
+    if not any(base is ShardedVariable for base, _ in tensor_conversion_functions(ShardedVariable)):
+        _problems.append(
+            "tensorflow.python.distribute.sharded_variable.ShardedVariable no longer "
+            "converts to one tensor"
+        )
+# ModelParallelStrategy's extended: a OneDeviceExtended that places each
+# variable and update on its stage's device.
+_MODEL_PARALLEL_OVERRIDES = (
+    "_create_variable",
+    "_update",
+    "_experimental_distribute_dataset",
+    "_distribute_datasets_from_function",
+    "_experimental_distribute_values_from_function",
+)
+if OneDeviceExtended is not None:
+    for _name in _MODEL_PARALLEL_OVERRIDES:
+        _check(OneDeviceExtended, _name)
+    _check(OneDeviceExtended, "_local_results", params=("value",))
+    _check(OneDeviceExtended, "_container_strategy")
+    _check_sets(OneDeviceExtended, "__init__", "_device")
 if tf.data.Dataset is not None:
     _check(
         tf.data.Dataset,
@@ -340,6 +411,8 @@ if ParameterServerStrategyV2Extended is not None and distribute_lib is not None:
         ParameterServerStrategyV2.__init__, "self._extended = ParameterServerStrategyV2Extended("
     )
     _check_source(ParameterServerStrategyV2Extended.__init__, "self._allow_run_without_coordinator")
+    # What the public ``strategy.cluster_resolver`` returns (set_cluster_resolver).
+    _check_source(distribute_lib.StrategyBase.cluster_resolver.fget, "extended._cluster_resolver")
     _check_source(
         distribute_lib.StrategyBase.__init__, "extended._retrace_functions_for_each_device"
     )
@@ -419,7 +492,6 @@ if CollectiveReplicaLauncher is not None:
         _check_sets(CollectiveReplicaLauncher, "__init__", _name)
     _check(CollectiveReplicaLauncher, "_next_instance_key")
     _check(CollectiveReplicaLauncher, "_get_ordering_token")
-
 
 if _problems:
     raise ImportError(
@@ -519,6 +591,19 @@ def overridden_step(model, name="train_step"):
     return None
 
 
+def inbound_nodes(layer):
+    """The nodes of every call of ``layer`` on symbolic tensors (a functional
+    model's graph), in call order; ``node.input_tensors`` are what each read."""
+    return list(getattr(layer, "_inbound_nodes", ()))
+
+
+def producer(tensor):
+    """The layer (operation) whose call made ``KerasTensor`` ``tensor``, or ``None``
+    (a model input, or not a symbolic tensor)."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
 def layer_scope_stack():
     """Keras layers whose name scopes are open now (outermost first)."""
     stack = global_state.get_global_attribute("name_scope_stack") or []
@@ -616,6 +701,13 @@ def reindex_optimizer(optimizer):
     optimizer._trainable_variables_indices = {
         optimizer._var_key(v): i for i, v in enumerate(optimizer._trainable_variables)
     }
+
+
+def given_learning_rate(optimizer):
+    """The rate ``optimizer`` was given or last set to: a ``LearningRateSchedule``,
+    a callable or the rate's variable (``optimizer.learning_rate`` is its
+    current value, a schedule's too)."""
+    return optimizer._learning_rate
 
 
 @contextlib.contextmanager
@@ -861,6 +953,44 @@ def set_optimizer_strategy(optimizer, strategy):
 
 
 # -- parameter-server placement (Downpour, Sandblaster) -------------------------
+
+
+def set_cluster_resolver(extended, cluster_resolver):
+    """Makes the public ``strategy.cluster_resolver`` of ``extended``'s strategy
+    return ``cluster_resolver`` (TensorFlow's parameter-server extended object
+    leaves it unset: ``None``)."""
+    extended._cluster_resolver = cluster_resolver
+
+
+def allow_run_without_coordinator(extended):
+    """Lets ``extended``'s parameter-server strategy run functions on this
+    process without a ``ClusterCoordinator`` (Keras evaluates and predicts on
+    the chief) without TensorFlow's warning at every trace."""
+    extended._allow_run_without_coordinator = True
+
+
+def make_sharded_variables_readable():
+    """Lets Keras saving read a split variable as one array.
+
+    Keras reads weights with ``np.asarray(variable)``; TensorFlow's
+    ``ShardedVariable`` converts to a tensor but has no ``__array__``. Adds
+    the readers it lacks to the class (nothing else of it changes; a reader
+    TensorFlow has is kept).
+    """
+    if not hasattr(ShardedVariable, "__array__"):
+        ShardedVariable.__array__ = _sharded_array
+    if not hasattr(ShardedVariable, "numpy"):
+        ShardedVariable.numpy = _sharded_numpy
+
+
+def _sharded_numpy(variable):
+    return tf.convert_to_tensor(variable).numpy()
+
+
+def _sharded_array(variable, dtype=None, copy=None):
+    import numpy as np
+
+    return np.asarray(_sharded_numpy(variable), dtype=dtype)
 
 
 def use_extended(strategy, extended):

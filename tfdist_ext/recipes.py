@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import keras
 
+from tfdist_ext import _integration
+
 _NORMALIZATION = (
     keras.layers.BatchNormalization,
     keras.layers.LayerNormalization,
@@ -115,7 +117,7 @@ def residual_branch_norms(model: keras.Model) -> list[keras.layers.Layer]:
     for layer in _all_layers(model):
         if not isinstance(layer, keras.layers.Add):
             continue
-        for node in layer._inbound_nodes:
+        for node in _integration.inbound_nodes(layer):
             inputs = [_producer(t) for t in node.input_tensors]
             branch = _residual_input(inputs)
             norm = _norm_feeding(branch) if branch is not None else None
@@ -154,13 +156,12 @@ def _zero_gamma(layer):
 
 
 def _producer(tensor):
-    history = getattr(tensor, "_keras_history", None)
-    return None if history is None else history[0]
+    return _integration.producer(tensor)
 
 
 def _parents(layer):
     parents = []
-    for node in getattr(layer, "_inbound_nodes", [])[:1]:
+    for node in _integration.inbound_nodes(layer)[:1]:
         parents.extend(p for p in (_producer(t) for t in node.input_tensors) if p is not None)
     return parents
 

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist_ext import _integration
 from tfdist_ext.schedules import _validate
 from tfdist_ext.schedules._linear_scaling import LinearScaling
 
@@ -199,7 +200,8 @@ class LinearScalingWarmup(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         owner = "LinearScalingWarmup"
         optimizer = self.model.optimizer
-        if isinstance(optimizer._learning_rate, keras.optimizers.schedules.LearningRateSchedule):
+        rate = _integration.given_learning_rate(optimizer)
+        if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
             raise ValueError(
                 f"{owner}: the optimizer's rate is a LearningRateSchedule; use "
                 "tfdist_ext.schedules.LinearScaling as the schedule instead"

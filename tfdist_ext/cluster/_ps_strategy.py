@@ -16,7 +16,6 @@ import threading
 import weakref
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfdist_ext import _integration
@@ -121,20 +120,37 @@ class ParameterServerBase(_PSSV2):
             )
         super().__init__(cluster_resolver, variable_partitioner=partitioner)
         _integration.use_extended(self, PlacementExtended(self, cluster_resolver, partitioner))
-        _make_sharded_variables_readable()
+        _integration.make_sharded_variables_readable()
         self._closed = False
         ParameterServerBase._open.add(self)
         attach_to_local_cluster(cluster_resolver, self)
 
+    @classmethod
+    def from_config(cls, config, cluster_resolver):
+        """The strategy of ``config`` (a :meth:`get_config` dict) on ``cluster_resolver``'s cluster.
+
+        A config holds the strategy's knobs, not its cluster, so the cluster
+        is given again: ``type(s).from_config(s.get_config(), resolver)``
+        makes a strategy configured as ``s`` is. The config is plain data
+        (compressors and staleness policies in Keras's serialised form), so
+        it may be stored as JSON in between.
+        """
+        return cls(cluster_resolver, **cls._kwargs_from_config(config))
+
+    @classmethod
+    def _kwargs_from_config(cls, config):
+        """The constructor's keyword arguments (all but the resolver) of a :meth:`get_config`."""
+        return dict(config)
+
     @property
     def num_workers(self):
         """Number of ``worker`` tasks."""
-        return self._extended._num_workers
+        return self.extended.num_worker_tasks
 
     @property
     def num_ps(self):
         """Number of parameter-server shards (``ps`` tasks)."""
-        return self._extended._num_ps
+        return self.extended.num_ps_tasks
 
     def shard_bytes(self):
         """Bytes of variables placed whole on each ``ps`` shard so far."""
@@ -206,7 +222,7 @@ class ParameterServerBase(_PSSV2):
 
     def _dead_tasks(self):
         """``(job, index, address)`` of the ``worker``/``ps`` tasks that do not answer."""
-        spec = self._cluster_resolver.cluster_spec().as_dict()
+        spec = self.cluster_resolver.cluster_spec().as_dict()
         dead = []
         for job in ("worker", "ps"):
             for index, address in enumerate(spec[job]):
@@ -332,16 +348,17 @@ class PlacementExtended(_PSSV2Extended):
 
     def __init__(self, container_strategy, cluster_resolver, variable_partitioner):
         super().__init__(container_strategy, cluster_resolver, variable_partitioner)
-        # What the public `strategy.cluster_resolver` returns (TensorFlow's
-        # parameter-server extended object leaves it unset: None).
-        self._cluster_resolver = cluster_resolver
-        self._ps_bytes = [0] * self._num_ps
+        _integration.set_cluster_resolver(self, cluster_resolver)
+        spec = cluster_resolver.cluster_spec().as_dict()
+        self.num_worker_tasks = len(spec.get("worker", ()))
+        self.num_ps_tasks = len(spec.get("ps", ()))
+        self._ps_bytes = [0] * self.num_ps_tasks
         self._placement_lock = threading.Lock()
         # id(slot) -> (slot, its variable), weakly: the slots of split variables.
         self._split_slots = {}
         # id(split variable) -> its slots as Keras variables, within per_shard_updates.
         self._shard_slots = None
-        self._allow_run_without_coordinator = True
+        _integration.allow_run_without_coordinator(self)
 
     def shard_bytes(self):
         """Bytes of variables placed whole on each ``ps`` shard so far."""
@@ -492,22 +509,6 @@ tf.register_tensor_conversion_function(
         view._piece, dtype=dtype, name=name
     ),
 )
-
-
-def _make_sharded_variables_readable():
-    """Lets Keras saving read a split variable as one array.
-
-    Keras reads weights with ``np.asarray(variable)``; TensorFlow's
-    ``ShardedVariable`` converts to a tensor but has no ``__array__``. Adds
-    the two readers it lacks (nothing else of the class changes).
-    """
-    cls = _integration.ShardedVariable
-    if not hasattr(cls, "__array__"):
-        cls.__array__ = lambda self, dtype=None, copy=None: np.asarray(
-            tf.convert_to_tensor(self).numpy(), dtype=dtype
-        )
-    if not hasattr(cls, "numpy"):
-        cls.numpy = lambda self: tf.convert_to_tensor(self).numpy()
 
 
 def split_paths(variables):

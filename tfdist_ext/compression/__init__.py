@@ -56,6 +56,7 @@ _NAMES = {
     "terngrad": TernGrad,
     "onebit": OneBit,
     "signsgd": SignSGD,
+    "scaledsign": ScaledSign,
     "efsignsgd": EFSignSGD,
     "powersgd": PowerSGD,
 }

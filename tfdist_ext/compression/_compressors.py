@@ -409,6 +409,22 @@ class ScaledSign(_SignBits):
         return _restore(flat, shape, dtype)
 
 
+def _wrapper_config(wrapper, default):
+    """The config of an :class:`ErrorFeedback` subclass whose inner compressor
+    defaults to a ``default()``: the inner one only when it is another."""
+    config = ErrorFeedback.get_config(wrapper)
+    if type(wrapper.compressor) is default:
+        del config["compressor"]
+    return config
+
+
+def _wrapper_repr(wrapper, default):
+    args = [] if type(wrapper.compressor) is default else [repr(wrapper.compressor)]
+    if wrapper.min_size:
+        args.append(f"min_size={wrapper.min_size}")
+    return f"{type(wrapper).__name__}({', '.join(args)})"
+
+
 @register
 class EFSignSGD(ErrorFeedback):
     """EF-SignSGD (Karimireddy et al. 2019): scaled sign with error feedback.
@@ -427,10 +443,10 @@ class EFSignSGD(ErrorFeedback):
         self.name = "efsignsgd"
 
     def get_config(self):
-        return {"min_size": self.min_size} if self.min_size else {}
+        return _wrapper_config(self, ScaledSign)
 
     def __repr__(self):
-        return f"EFSignSGD(min_size={self.min_size})" if self.min_size else "EFSignSGD()"
+        return _wrapper_repr(self, ScaledSign)
 
 
 @register
@@ -475,10 +491,10 @@ class OneBit(ErrorFeedback):
         self.name = "onebit"
 
     def get_config(self):
-        return {"min_size": self.min_size} if self.min_size else {}
+        return _wrapper_config(self, _OneBitQuantizer)
 
     def __repr__(self):
-        return f"OneBit(min_size={self.min_size})" if self.min_size else "OneBit()"
+        return _wrapper_repr(self, _OneBitQuantizer)
 
 
 @register

@@ -115,7 +115,7 @@ class ElasticAveragingStrategy(DownpourStrategy):
         return super()._tfdist_fit(model, keras_fit, args, kwargs)
 
     def get_config(self):
-        """The strategy's knobs (not the cluster) as a dict."""
+        """The strategy's knobs (not the cluster) as a dict (see :meth:`from_config`)."""
         return {
             "alpha": self.alpha,
             "tau": self.tau,

@@ -2,6 +2,7 @@
 
 import math
 
+import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
@@ -262,15 +263,30 @@ class DownpourStrategy(ParameterServerBase):
         self._bound = None
 
     def get_config(self):
-        """The strategy's knobs (not the cluster) as a dict."""
+        """The strategy's knobs (not the cluster) as a dict (see :meth:`from_config`)."""
         return {
             "n_fetch": self.n_fetch,
             "n_push": self.n_push,
             "warmstart_steps": self.warmstart_steps,
             "min_shard_bytes": self.min_shard_bytes,
             "deadline": self.deadline,
-            "compression": None if self.compression is None else repr(self.compression),
+            "compression": (
+                None
+                if self.compression is None
+                else keras.saving.serialize_keras_object(self.compression)
+            ),
             "model_devices": self.model_devices,
             "staleness_policy": _staleness.policy_to_config(self.staleness_policy),
             "max_staleness": self.max_staleness,
         }
+
+    @classmethod
+    def _kwargs_from_config(cls, config):
+        kwargs = dict(config)
+        if kwargs.get("compression") is not None:
+            from tfdist_ext import compression as compression_lib
+
+            kwargs["compression"] = compression_lib.get(kwargs["compression"])
+        if "staleness_policy" in kwargs:
+            kwargs["staleness_policy"] = _staleness.policy_from_config(kwargs["staleness_policy"])
+        return kwargs

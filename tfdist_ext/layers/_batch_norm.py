@@ -92,7 +92,9 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
             raise ValueError(f"{self.__class__.__name__} '{self.name}': masks are not supported")
         compute_dtype = keras.backend.result_type(inputs.dtype, "float32")
         x = self._grouped(ops.cast(inputs, compute_dtype))
-        axes = [1] + [a + 1 for a in self._reduction_axes if a != 0]
+        # Keras's reduction axes (every input axis but the feature axis), moved
+        # past the group axis, less the batch axis: statistics per group.
+        axes = [1] + [a + 1 for a in range(1, len(inputs.shape)) if a != self.axis]
         mean, variance = ops.moments(x, axes=axes, keepdims=True)
         outputs = (x - mean) * ops.rsqrt(variance + self.epsilon)
         shape = [1] * len(x.shape)

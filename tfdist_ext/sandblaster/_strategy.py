@@ -143,7 +143,7 @@ class SandblasterStrategy(ParameterServerBase):
         return evaluator
 
     def get_config(self):
-        """The strategy's knobs (not the cluster) as a dict."""
+        """The strategy's knobs (not the cluster) as a dict (see :meth:`from_config`)."""
         return {
             "slices_per_worker": self.slices_per_worker,
             "backup_tasks": self.backup_tasks,
