@@ -669,7 +669,7 @@ def _close(a, b):
         return False
 
 
-# -- the README's table --------------------------------------------------------
+# -- the table of docs/api/guides/keras_compatibility.rst ------------------------
 
 TABLE_START = "<!-- conformance table: python -m tests.programs.conformance table -->"
 TABLE_END = "<!-- end of conformance table -->"
@@ -729,8 +729,10 @@ def write_table(results_path, readme_path):
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["table"]:
-        # python -m tests.programs.conformance table [RESULTS.json [README.md]]
-        args = sys.argv[2:] + ["docs/conformance.json", "README.md"][len(sys.argv[2:]) :]
+        # python -m tests.programs.conformance table [RESULTS.json [PAGE]]; PAGE
+        # (default: the Keras-compatibility guide) holds the table's two markers.
+        page = "docs/api/guides/keras_compatibility.rst"
+        args = sys.argv[2:] + ["docs/conformance.json", page][len(sys.argv[2:]) :]
         write_table(*args[:2])
     else:
         main(sys.argv[1:])
