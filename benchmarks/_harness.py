@@ -213,8 +213,12 @@ def update_readme(name, readme=README, results_dir=RESULTS_DIR):
 def _readme_columns(name, table):
     """``table`` cut to the benchmark's ``README_COLUMNS``, if its module has them."""
     import importlib
+    import importlib.util
 
-    wanted = getattr(importlib.import_module(f"benchmarks.{name}"), "README_COLUMNS", None)
+    module = f"benchmarks.{name}"
+    if importlib.util.find_spec(module) is None:
+        return table
+    wanted = getattr(importlib.import_module(module), "README_COLUMNS", None)
     if not wanted:
         return table
     keep = [table["columns"].index(c) for c in wanted]
