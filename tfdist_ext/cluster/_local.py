@@ -53,7 +53,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def ping(address, timeout=5.0):
+def ping(address, timeout=5.0, wait=False):
     """Asks the TensorFlow server at ``address`` for its status over gRPC.
 
     Uses TensorFlow's own ``WorkerService/GetStatus`` call, so a reply means
@@ -62,6 +62,10 @@ def ping(address, timeout=5.0):
     Returns:
       The device names the task reports, e.g.
       ``["/job:worker/replica:0/task:0/device:CPU:0"]``.
+
+    With ``wait``, a task that does not listen yet is waited for until the
+    deadline (a task started at the same moment as its peers, under ``srun``
+    or as a Job's pods); without it, a refused connection fails at once.
 
     Raises:
       ClusterTimeoutError: no reply within ``timeout`` seconds.
@@ -80,9 +84,7 @@ def ping(address, timeout=5.0):
             request_serializer=lambda request: request,
             response_deserializer=lambda reply: reply,
         )
-        # wait_for_ready: a task started at the same moment as its peers (srun,
-        # a Job's pods) may not listen yet; wait for it until the deadline.
-        reply = call(b"", timeout=timeout, wait_for_ready=True)
+        reply = call(b"", timeout=timeout, wait_for_ready=wait)
     except grpc.RpcError as e:
         raise ClusterTimeoutError(
             f"task at {address} did not answer within {timeout:.1f}s ({e.code().name})"

@@ -111,7 +111,7 @@ class ParameterServerBase(_PSSV2):
             )
         for job in ("ps", "worker"):
             for address in spec[job]:
-                ping(address, timeout=self.deadline)
+                ping(address, timeout=self.deadline, wait=True)
         num_ps = len(spec["ps"])
         partitioner = None
         if num_ps > 1:
