@@ -652,3 +652,16 @@ report(before=before, after=after)
     r = _result(proc)
     np.testing.assert_allclose(r["after"], r["before"], rtol=1e-5)
     assert all(accuracy > 0.5 for _, accuracy in r["after"]), r
+
+
+@pytest.mark.timeout(200)
+def test_a_push_of_n_steps_is_one_sgd_step_of_n_times_the_rate():
+    # n_fetch = n_push = 4, one worker, one round: the 4 gradients are taken
+    # on the same fetched parameters and summed, so plain SGD moves as one
+    # step of rate 4 * lr on the 4 batches' mean gradient, not as 4 steps.
+    from tests.programs import run_program
+
+    result = run_program("push_sum", 4, timeout=180)
+    assert result["pushes"] == 1
+    assert result["to_one_step_of_k_lr"] <= 1e-6 * max(1.0, result["moved"])
+    assert result["to_k_sequential_steps"] > 100 * result["to_one_step_of_k_lr"] + 1e-6
