@@ -68,13 +68,22 @@ def test_a_renamed_keras_internal_fails_at_import_with_one_clear_message(script,
     # loading a strategy must fail at once, naming the versions and the symbol,
     # instead of a strategy silently skipping its hook later.
     module, cls, attr = removed.rsplit(".", 2)
-    proc = script(
-        f"""
+    change = f"""
 import importlib, sys
 owner = getattr(importlib.import_module({module!r}), {cls!r})
 for klass in getattr(owner, "__mro__", (owner,)):  # a class, or a module
     if {attr!r} in vars(klass):
         delattr(klass, {attr!r})
+"""
+    _assert_one_clear_import_error(script, change, named)
+
+
+def _assert_one_clear_import_error(script, change, named):
+    """Runs ``change`` (Python source), then loads a strategy: it must raise the
+    one ImportError naming ``named`` and the tested versions."""
+    proc = script(
+        change
+        + """
 import tfdist_ext   # light: TensorFlow-backed parts load on first use
 try:
     tfdist_ext.DownpourStrategy
@@ -148,27 +157,14 @@ def test_a_rewritten_internal_fails_at_import_with_one_clear_message(
     script, tmp_path, change, named
 ):
     (tmp_path / "rewritten.py").write_text(REWRITE)
-    proc = script(
-        f"""
+    setup = f"""
 import sys
 sys.path.insert(0, {str(tmp_path)!r})
 import keras
 from rewritten import rewrite
 {change}
-import tfdist_ext   # light: TensorFlow-backed parts load on first use
-try:
-    tfdist_ext.DownpourStrategy
-except ImportError as e:
-    print("IMPORT_ERROR", e)
-else:
-    print("IMPORTED")
-""",
-        timeout=120,
-    )
-    out = proc.stdout
-    assert "IMPORT_ERROR" in out, out
-    assert named in out
-    assert "tfdist_ext does not support Keras" in out and "tested: Keras" in out
+"""
+    _assert_one_clear_import_error(script, setup, named)
 
 
 def test_the_doors_accessors_read_what_keras_and_tensorflow_hold():
