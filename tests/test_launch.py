@@ -22,6 +22,38 @@ needs_namespaces = pytest.mark.skipif(
 )
 
 
+def _cli(*args, timeout, env=None):
+    """``tfdist-ext ARGS`` run from the repository root: the finished process."""
+    return subprocess.run(
+        [sys.executable, "-m", "tfdist_ext.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        cwd=REPO,
+    )
+
+
+def _launch_two_local_workers(*command, timeout):
+    return _cli(
+        "launch",
+        "--hosts",
+        "localhost,localhost",
+        "--stop-timeout",
+        "5",
+        "--",
+        *command,
+        timeout=timeout,
+    )
+
+
+def _result(proc):
+    """The RESULT the job's chief printed; the job must have succeeded."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return json.loads(lines[-1][len("RESULT ") :])
+
+
 def test_tasks_are_ordered_chief_ps_worker_as_slurms_resolver_orders_them():
     addresses = [f"h{i}:2222" for i in range(4)]
     configs = [_environments.from_addresses(addresses, r, num_ps=1) for r in range(4)]
@@ -100,25 +132,11 @@ def test_kubernetes_manifest_gives_every_pod_its_tf_config():
 
 def test_a_task_outside_any_cluster_manager_gets_one_clear_error():
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "SLURM_PROCID")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfdist_ext.cli", "task", "--", "true"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _cli("task", "--", "true", env=env, timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("tfdist-ext task: error: no cluster in the environment")
     bad = dict(env, JOB_COMPLETION_INDEX="0")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tfdist_ext.cli", "task", "--", "true"],
-        capture_output=True,
-        text=True,
-        env=bad,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _cli("task", "--", "true", env=bad, timeout=60)
     assert "needs TFDIST_NUM_TASKS and TFDIST_HOST_PATTERN" in proc.stderr
 
 
@@ -144,55 +162,27 @@ def test_a_failed_task_stops_the_job_with_its_status(tmp_path):
         "import json, os, sys, time; t = json.loads(os.environ['TF_CONFIG'])['task']['index'];"
         "sys.exit(3) if t == 1 else time.sleep(300)"
     )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfdist_ext.cli",
-            "launch",
-            "--hosts",
-            "localhost,localhost",
-            "--stop-timeout",
-            "5",
-            "--",
-            sys.executable,
-            "-c",
-            code,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    proc = _launch_two_local_workers(sys.executable, "-c", code, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert "task worker:1 exited with status 3" in proc.stderr
 
 
 def _rehearse(launcher, tasks, out, *args, options=(), timeout=150):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfdist_ext.cli",
-            "rehearse",
-            launcher,
-            "--tasks",
-            str(tasks),
-            *options,
-            "--",
-            *PROGRAM,
-            *args,
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
+    proc = _cli(
+        "rehearse",
+        launcher,
+        "--tasks",
+        str(tasks),
+        *options,
+        "--",
+        *PROGRAM,
+        *args,
+        str(out),
         timeout=timeout,
-        cwd=REPO,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = _result(proc)
     assert not [n for n in os.listdir("/run/netns") if n.startswith("tfx-")], "hosts left behind"
-    return json.loads(lines[-1][len("RESULT ") :]), proc.stderr
+    return result, proc.stderr
 
 
 @needs_namespaces
@@ -237,30 +227,9 @@ def test_kubernetes_rehearsal_trains_synchronously_on_dict_inputs(tmp_path):
 @pytest.mark.timeout(120)
 def test_each_worker_reads_its_own_input_from_a_function(tmp_path):
     # distribute_datasets_from_function on 127.0.0.1 through the launcher.
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tfdist_ext.cli",
-            "launch",
-            "--hosts",
-            "localhost,localhost",
-            "--stop-timeout",
-            "5",
-            "--",
-            *PROGRAM,
-            "sync",
-            str(tmp_path),
-            "--input",
-            "from_function",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=100,
-        cwd=REPO,
+    proc = _launch_two_local_workers(
+        *PROGRAM, "sync", str(tmp_path), "--input", "from_function", timeout=100
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stderr[-6000:]
-    result = json.loads(lines[-1][len("RESULT ") :])
+    result = _result(proc)
     assert result["workers"] == 2 and result["epochs"] == [0, 1, 2, 3]
     assert result["history"]["loss"][-1] < result["history"]["loss"][0]
