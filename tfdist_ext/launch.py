@@ -53,8 +53,7 @@ def build_parser():
         "stream the chief's output, stop every task when the chief ends or a task fails.",
     )
     parser.add_argument("--hosts", required=True, help="comma-separated hosts, one task each")
-    parser.add_argument("--ps", type=int, default=0, help="parameter-server tasks (default 0)")
-    parser.add_argument("--port", type=int, default=2222, help="first port on a host")
+    add_job_options(parser)
     parser.add_argument(
         "--rsh",
         default=DEFAULT_RSH,
@@ -102,6 +101,25 @@ def remote_argv(rsh, host, argv):
     return words if "{command}" in rsh else words + list(argv)
 
 
+def add_job_options(parser):
+    """``--ps`` and ``--port``, which every launching command takes."""
+    parser.add_argument("--ps", type=int, default=0, help="ps tasks of the job (default 0)")
+    parser.add_argument("--port", type=int, default=2222, help="the tasks' first port on a host")
+
+
+def parse_args(parser, argv):
+    """``(args, command)``: ``argv`` (default: this process's) split at its
+    first ``--``, the options before it parsed by ``parser``."""
+    options, command = split_command(sys.argv[1:] if argv is None else argv)
+    return parser.parse_args(options), command
+
+
+def no_command(prog):
+    """Says that the command after ``--`` is missing; the exit status."""
+    print(f"{prog}: error: no command after --", file=sys.stderr)
+    return 2
+
+
 def split_command(argv):
     """``(options, command)``: ``argv`` split at its first ``--``."""
     argv = list(argv)
@@ -112,12 +130,10 @@ def split_command(argv):
 
 
 def main(argv=None):
-    options, command = split_command(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(options)
+    args, command = parse_args(build_parser(), argv)
     hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
     if not command:
-        print("tfdist-ext launch: error: no command after --", file=sys.stderr)
-        return 2
+        return no_command("tfdist-ext launch")
     try:
         specs = task_specs(hosts, args.ps, args.port, args.rsh, command)
     except _environments.ClusterEnvironmentError as e:

@@ -24,7 +24,6 @@ import sys
 from tfdist_ext import launch
 from tfdist_ext.cluster import _environments
 from tfdist_ext.cluster import _hosts
-from tfdist_ext.launch import split_command
 
 RSH = "ip netns exec " + _hosts.PREFIX + "{host}"
 
@@ -38,8 +37,7 @@ def build_parser():
     )
     parser.add_argument("launcher", choices=("hosts", "slurm", "kubernetes"))
     parser.add_argument("--tasks", type=int, required=True, help="tasks (hosts), 1 to 10")
-    parser.add_argument("--ps", type=int, default=0, help="ps tasks (default 0)")
-    parser.add_argument("--port", type=int, default=2222)
+    launch.add_job_options(parser)
     parser.add_argument("--bandwidth", help="each host's link rate, e.g. 100mbit")
     parser.add_argument("--max-restarts", type=int, default=0, help="hosts only: as launch's")
     parser.add_argument("--stop-timeout", type=float, default=30.0)
@@ -47,11 +45,9 @@ def build_parser():
 
 
 def main(argv=None):
-    options, command = split_command(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(options)
+    args, command = launch.parse_args(build_parser(), argv)
     if not command:
-        print("tfdist-ext rehearse: error: no command after --", file=sys.stderr)
-        return 2
+        return launch.no_command("tfdist-ext rehearse")
     try:
         _environments.jobs(args.tasks, args.ps)
         with _hosts.Hosts(args.tasks, args.bandwidth) as hosts:

@@ -19,9 +19,9 @@ import json
 import os
 import sys
 
+from tfdist_ext import launch
 from tfdist_ext.cluster import _environments
 from tfdist_ext.cluster._tf_config import set_task_env_defaults
-from tfdist_ext.launch import split_command
 
 
 def build_parser():
@@ -31,14 +31,12 @@ def build_parser():
         description="Run this task of a job: COMMAND, or a tfdist-ext server, with TF_CONFIG "
         "set from TF_CONFIG, Slurm's SLURM_* or a Kubernetes indexed Job's environment.",
     )
-    parser.add_argument("--ps", type=int, default=0, help="ps tasks of the job (default 0)")
-    parser.add_argument("--port", type=int, default=2222, help="the tasks' first port")
+    launch.add_job_options(parser)
     return parser
 
 
 def main(argv=None):
-    options, command = split_command(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(options)
+    args, command = launch.parse_args(build_parser(), argv)
     try:
         config = _environments.tf_config(os.environ, args.ps, args.port)
     except (_environments.ClusterEnvironmentError, ValueError, KeyError) as e:
@@ -49,8 +47,7 @@ def main(argv=None):
     if not _environments.runs_command(config):
         command = [sys.executable, "-m", "tfdist_ext.server"]
     elif not command:
-        print("tfdist-ext task: error: no command after --", file=sys.stderr)
-        return 2
+        return launch.no_command("tfdist-ext task")
     sys.stdout.flush()
     os.execvpe(command[0], command, env)
 
