@@ -99,3 +99,21 @@ def test_feature_works_as_in_keras_or_is_refused_at_fit_start(request, strategy,
     verdict = judge(strategy, feature, result["keras"][feature], result[strategy][feature])
     _record(strategy, feature, verdict)
     assert verdict[0] in ("works", "refused"), verdict[1]
+
+
+def test_readme_and_guide_tables_are_the_ones_the_results_give(tmp_path):
+    """The README's summary and the guide's table are written from docs/conformance.json
+    (``python -m tests.programs.conformance table``), never by hand."""
+    import shutil
+
+    from tests.programs.conformance import write_table
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    page, readme = tmp_path / "page.rst", tmp_path / "README.md"
+    shutil.copy(os.path.join(root, "docs/api/guides/keras_compatibility.rst"), page)
+    shutil.copy(os.path.join(root, "README.md"), readme)
+    write_table(os.path.join(root, "docs/conformance.json"), page, readme)
+    with open(os.path.join(root, "docs/api/guides/keras_compatibility.rst")) as f:
+        assert page.read_text() == f.read()
+    with open(os.path.join(root, "README.md")) as f:
+        assert readme.read_text() == f.read()

@@ -677,8 +677,8 @@ _NAMES = {
     "downpour": "Downpour",
     "easgd": "EASGD",
     "sandblaster": "Sandblaster",
-    "compressed_mirrored": "CompressedMirrored",
-    "compressed_multiworker": "CompressedMultiWorker",
+    "compressed_mirrored": "MirroredStrategy",
+    "compressed_multiworker": "MultiWorkerMirrored",
     "model_parallel_1": "ModelParallel",
     "model_parallel_2": "ModelParallel (2 micro-batches)",
 }
@@ -715,24 +715,51 @@ def _first_sentence(error):
     return re.sub(r" of model '[^']*'", "", reason)
 
 
-def write_table(results_path, readme_path):
+SUMMARY_START = "<!-- conformance summary: python -m tests.programs.conformance table -->"
+SUMMARY_END = "<!-- end of conformance summary -->"
+
+
+def summary(results):
+    """Markdown for the README: per strategy, how many features work and which are refused."""
+    lines = [
+        "| strategy | works as in plain Keras | refused at `fit` start, naming the feature |",
+        "|---|---|---|",
+    ]
+    for strategy in (s for s in STRATEGIES if s in results):
+        verdicts = {f: results[strategy].get(f, ("", ""))[0] for f in FEATURES}
+        works = sum(v == "works" for v in verdicts.values())
+        refused = ", ".join(f"`{f}`" for f, v in verdicts.items() if v == "refused")
+        lines.append(f"| {_NAMES[strategy]} | {works} of {len(FEATURES)} | {refused or 'none'} |")
+    return "\n".join(lines)
+
+
+def _replace_between(path, start_marker, end_marker, body):
+    with open(path) as f:
+        text = f.read()
+    start = text.index(start_marker) + len(start_marker)
+    end = text.index(end_marker)
+    with open(path, "w") as f:
+        f.write(text[:start] + "\n" + body + "\n" + text[end:])
+
+
+def write_table(results_path, page_path, readme_path=None):
+    """The full table into ``page_path``, the summary into ``readme_path`` (if given)."""
     import json
 
     with open(results_path) as f:
         results = json.load(f)
-    with open(readme_path) as f:
-        text = f.read()
-    start, end = text.index(TABLE_START) + len(TABLE_START), text.index(TABLE_END)
-    with open(readme_path, "w") as f:
-        f.write(text[:start] + "\n" + table(results) + "\n" + text[end:])
+    _replace_between(page_path, TABLE_START, TABLE_END, table(results))
+    if readme_path:
+        _replace_between(readme_path, SUMMARY_START, SUMMARY_END, summary(results))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["table"]:
-        # python -m tests.programs.conformance table [RESULTS.json [PAGE]]; PAGE
-        # (default: the Keras-compatibility guide) holds the table's two markers.
-        page = "docs/api/guides/keras_compatibility.rst"
-        args = sys.argv[2:] + ["docs/conformance.json", page][len(sys.argv[2:]) :]
-        write_table(*args[:2])
+        # python -m tests.programs.conformance table [RESULTS.json [PAGE [README]]]:
+        # PAGE (default: the Keras-compatibility guide) holds the table's two
+        # markers, README (default: README.md) the summary's.
+        defaults = ["docs/conformance.json", "docs/api/guides/keras_compatibility.rst", "README.md"]
+        args = sys.argv[2:] + defaults[len(sys.argv[2:]) :]
+        write_table(*args[:3])
     else:
         main(sys.argv[1:])
