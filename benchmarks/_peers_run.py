@@ -16,8 +16,9 @@
   expected to fail; returns the last line of worker 0's error.
 
 Every run trains a warm-up epoch (which traces), then ``epochs`` timed
-epochs, then computes held-out accuracy in numpy from ``get_weights()``, the
-same code for every system. A ``tf_keras`` run never imports Keras 3 before
+epochs; after each it computes held-out accuracy in numpy from
+``get_weights()``, the same code for every system, outside the timed
+seconds. A ``tf_keras`` run never imports Keras 3 before
 its result is printed (``keras3_loaded`` records it): the systems must not
 share a process.
 """
@@ -95,9 +96,34 @@ def accuracy(weights, x, y):
     return float((h.argmax(-1) == y).mean())
 
 
-def _timed_fit(model, train, cfg, steps, cpu_pids):
-    """A warm-up epoch, then ``cfg["epochs"]`` timed epochs of ``steps`` steps; seconds
-    and CPU seconds per job.
+class _Curve:
+    """Held-out accuracy against training seconds, marked at every epoch's end.
+
+    The clock starts at the first ``fit`` (tracing and the warm-up epoch
+    count, as they do for a user); the seconds spent reading the weights and
+    scoring them are left out of it.
+    """
+
+    def __init__(self, keras, model, test):
+        self.model, self.test = model, test
+        self.points = [(0.0, accuracy(model.get_weights(), *test))]
+        self.paused = 0.0
+        self.start = time.perf_counter()
+        self.callback = keras.callbacks.LambdaCallback(on_epoch_end=lambda *_: self.mark())
+
+    def seconds(self):
+        return time.perf_counter() - self.start - self.paused
+
+    def mark(self):
+        now, begin = self.seconds(), time.perf_counter()
+        accuracy_now = accuracy(self.model.get_weights(), *self.test)
+        self.paused += time.perf_counter() - begin
+        self.points.append((now, accuracy_now))
+
+
+def _timed_fit(keras, model, train, cfg, steps, cpu_pids, test):
+    """A warm-up epoch, then ``cfg["epochs"]`` timed epochs of ``steps`` steps: the
+    timed seconds, CPU seconds per job, and the accuracy curve of both.
 
     An epoch is ``steps`` steps of a repeated, shuffled dataset (several passes
     over digits' 1347 examples): with ``steps_per_execution=50`` an epoch of
@@ -105,13 +131,17 @@ def _timed_fit(model, train, cfg, steps, cpu_pids):
     worker would idle for much of it. The warm-up epoch may be shorter
     (``cfg["warmup_steps"]``): it only has to trace every function.
     """
-    model.fit(train, epochs=1, steps_per_epoch=cfg.get("warmup_steps") or steps, verbose=0)
+    curve = _Curve(keras, model, test)
+    warmup = cfg.get("warmup_steps") or steps
+    model.fit(train, epochs=1, steps_per_epoch=warmup, verbose=0, callbacks=[curve.callback])
     before = {job: _cpu_seconds(pids) for job, pids in cpu_pids.items()}
-    start = time.perf_counter()
-    model.fit(train, epochs=cfg["epochs"], steps_per_epoch=steps, verbose=0)
-    seconds = time.perf_counter() - start
+    start = curve.seconds()
+    model.fit(
+        train, epochs=cfg["epochs"], steps_per_epoch=steps, verbose=0, callbacks=[curve.callback]
+    )
+    seconds = curve.seconds() - start
     cpu = {job: _cpu_seconds(pids) - before[job] for job, pids in cpu_pids.items()}
-    return seconds, cpu
+    return seconds, cpu, curve.points
 
 
 # --- asynchronous: this process is the chief ---------------------------------------
@@ -168,8 +198,8 @@ def async_run(cfg):
             "ps": [cluster.pid("ps", 0)],
             "worker": [cluster.pid("worker", i) for i in range(2)],
         }
-        seconds, cpu = _timed_fit(model, train, cfg, steps, pids)
-        out = _summary(cfg, steps * BATCH, seconds, cpu, model.get_weights(), (xt, yt))
+        timed = _timed_fit(keras, model, train, cfg, steps, pids, (xt, yt))
+        out = _summary(cfg, steps * BATCH, *timed)
         if cfg["system"] == "downpour":
             out["staleness_mean"] = strategy.stats.summary()["staleness_mean"]
         _report(out)  # before the cluster stops (which imports tfdist_ext's Keras 3 glue)
@@ -178,12 +208,15 @@ def async_run(cfg):
         cluster.stop()
 
 
-def _summary(cfg, examples_per_epoch, seconds, cpu, weights, test):
+def _summary(cfg, examples_per_epoch, seconds, cpu, curve):
     batches = cfg["epochs"] * examples_per_epoch // BATCH
     return {
         "examples_per_second": cfg["epochs"] * examples_per_epoch / seconds,
         "seconds": seconds,
-        "accuracy": accuracy(weights, *test),
+        "accuracy": curve[-1][1],
+        # (seconds since the first fit, held-out accuracy): before it, after
+        # the warm-up epoch and after every timed epoch.
+        "curve": curve,
         # Warm-up and timed epochs (every system alike; 2 workers' batches a
         # synchronous step).
         "examples_trained": BATCH
@@ -239,9 +272,9 @@ def worker(cfg):
     # one batch on each of the 2 workers.
     steps = cfg["steps"] // 2
     timing = dict(cfg, warmup_steps=(cfg.get("warmup_steps") or cfg["steps"]) // 2)
-    seconds, cpu = _timed_fit(model, train, timing, steps, {"worker": [os.getpid()]})
+    timed = _timed_fit(keras, model, train, timing, steps, {"worker": [os.getpid()]}, (xt, yt))
     # This worker's CPU over both workers' examples: the launcher sums the two.
-    return _summary(cfg, steps * 2 * BATCH, seconds, cpu, model.get_weights(), (xt, yt))
+    return _summary(cfg, steps * 2 * BATCH, *timed)
 
 
 def _sync_cluster(cfg):

@@ -178,3 +178,24 @@ def test_benchmarks_page_lists_each_result_with_its_table_notes_and_plots(tmp_pa
     demo = text.split("``demo_more``")[0]
     assert ".. image:: demo_plot.png" in demo and "demo_more.png" not in demo
     assert "other.png" not in text and "quick.png" not in text
+
+
+def test_peers_time_to_the_same_accuracy():
+    from benchmarks import peers
+
+    curve = [(0.0, 0.1), (2.0, 0.5), (4.0, 0.9), (6.0, 0.8)]
+    assert peers.time_to(curve, 0.1) == 0.0
+    assert peers.time_to(curve, 0.3) == pytest.approx(1.0)
+    assert peers.time_to(curve, 0.9) == pytest.approx(4.0)
+    assert peers.time_to(curve, 0.95) is None
+    # The target is the highest accuracy every run of both sides reached (0.7
+    # here): the candidate gets there in 1.5 s, the peer's runs in 4 and 5.5 s.
+    cand = [{"curve": [(0.0, 0.1), (1.0, 0.5), (2.0, 0.9)]}]
+    peer = [
+        {"curve": [(0.0, 0.1), (2.0, 0.4), (4.0, 0.7)]},
+        {"curve": [(0.0, 0.1), (4.0, 0.4), (6.0, 0.8)]},
+    ]
+    target, cand_s, peer_s = peers._to_same_accuracy(cand, peer)
+    assert target == 0.7
+    assert cand_s == pytest.approx(1.5)
+    assert peer_s == pytest.approx((4.0 + 5.5) / 2)

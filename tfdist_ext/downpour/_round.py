@@ -114,6 +114,7 @@ def any_round_length(spec):
     return tf.nest.map_structure(relaxed, tf.nest.map_structure(tf.type_spec_from_value, spec))
 
 
+@_staleness.graph_code
 def batch_of(batches, index):
     """Batch ``index`` of a round's input (:func:`round_input`), on the worker."""
     data, offsets = batches
@@ -192,7 +193,8 @@ def keras_local_step(model, optimizer, loss_scale):
             model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, [scope.get_current_value(v) for v in metric_vars]
 
-    return step, metric_vars
+    # Graph code, as Keras's own train step is: autograph leaves it as written.
+    return _staleness.graph_code(step), metric_vars
 
 
 def build_round(model, strategy, version, generation):
@@ -281,6 +283,13 @@ def build_round(model, strategy, version, generation):
         carry = PrefetchedParams(strategy, trainable, generation)
 
     block = math.gcd(n_fetch, n_push)
+    # Only round_fn's and local_steps' loops and conds are on tensors. What
+    # they call is graph code, which autograph leaves as written, as Keras
+    # leaves its own train step: converting it all made a round's first trace
+    # take seconds.
+    graph_code = _staleness.graph_code
+    before_fetch, read, unpack_params = map(graph_code, (before_fetch, read, unpack_params))
+    push = graph_code(push)
 
     def local_steps(batches, first, count, params, accum, metric_values):
         """Steps ``first..first+count`` of the round on ``params``; the
@@ -459,10 +468,12 @@ class PrefetchedParams:
                 tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
             )
 
+    @_staleness.graph_code
     def valid(self):
         """Whether this worker holds parameters prefetched in the current generation."""
         return tf.equal(self.born.read_value(), self.generation.read_value())
 
+    @_staleness.graph_code
     def read(self):
         """``(params, the server version they were read at, fetches: 0)``."""
         return (
@@ -471,6 +482,7 @@ class PrefetchedParams:
             tf.constant(0, tf.int64),
         )
 
+    @_staleness.graph_code
     def keep(self, kept, params, version):
         """The writes that keep ``params`` (read at ``version``) if ``kept``, else drop them."""
         born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
@@ -478,6 +490,7 @@ class PrefetchedParams:
         return writes + [self.version.assign(version), self.born.assign(born)]
 
 
+@_staleness.graph_code
 def after_writes(steps, writes, metric_vars, metric_values, metrics_start):
     """``steps``, returned only after ``writes`` and the round's metric update.
 
@@ -520,7 +533,8 @@ def user_local_step(model, owner, trainable, non_trainable):
         write_back_assigned(scope, non_trainable, start)
         return collector.gradients(), [scope.get_current_value(v) for v in metric_vars]
 
-    return step, metric_vars
+    # Keras runs a train_step unconverted by autograph; so does the round.
+    return _staleness.graph_code(step), metric_vars
 
 
 def _check_assigned(model, owner, unknown):

@@ -136,8 +136,8 @@ class _WeightsLeft:
         for piece in self.pieces:
             with tf.device(piece.device):
                 self.copies.append(tf.Variable(tf.zeros(piece.shape, piece.dtype), trainable=False))
-        self._remember = tf.function(self._copy)
-        self._unchanged = tf.function(self._compare)
+        self._remember = tf.function(self._copy, autograph=False)
+        self._unchanged = tf.function(self._compare, autograph=False)
 
     def covers(self, model):
         """Whether this copy is of ``model`` and its current trainable weights."""
@@ -168,7 +168,7 @@ class _WeightsLeft:
 def _per_worker_index(strategy):
     """Each worker's task index, as a value resolved on that worker."""
 
-    @tf.function
+    @tf.function(autograph=False)
     def identity(index):
         return tf.identity(index)
 

@@ -32,7 +32,7 @@ _SSP_TIMEOUT = "DownpourStrategy max_staleness:"
 
 # What the round calls is written as graph code (tf.while_loop, no Python
 # control flow on tensors): autograph need not, and must not, convert it.
-_graph_code = tf.autograph.experimental.do_not_convert
+graph_code = tf.autograph.experimental.do_not_convert
 
 
 class StalenessPolicy:
@@ -248,12 +248,12 @@ class _Plain:
     def __init__(self, trainable):
         self.trainable = trainable
 
-    @_graph_code
+    @graph_code
     def before_fetch(self, worker, slot):
         """The ps side's work before a fetch (run only when one is due); an op to wait for."""
         return tf.no_op()
 
-    @_graph_code
+    @graph_code
     def fetch(self, worker, slot):
         """The worker's local copy of the parameters: reads on the ps, nothing else.
 
@@ -262,7 +262,7 @@ class _Plain:
         """
         return read_pieces(self.trainable)
 
-    @_graph_code
+    @graph_code
     def apply(self, optimizer, grads, worker, fetched, slot):
         """Applies a push of ``grads`` computed by ``worker`` from version ``fetched``.
 
@@ -276,7 +276,7 @@ class _StalenessScaled(_Plain):
         super().__init__(trainable)
         self.version = version
 
-    @_graph_code
+    @graph_code
     def apply(self, optimizer, grads, worker, fetched, slot):
         factor = StalenessAwareLR.rate_factor(self.version.read_value() - fetched)
         with _integration.scaled_learning_rate(optimizer, factor):
@@ -323,7 +323,7 @@ class _DelayCompensated(_Plain):
     def _row(worker, slot):
         return tf.reshape(2 * tf.cast(worker, tf.int64) + tf.cast(slot, tf.int64), [1])
 
-    @_graph_code
+    @graph_code
     def before_fetch(self, worker, slot):
         """Copies the parameters into ``worker``'s backup ``slot`` (on the ps)."""
         index = self._row(worker, slot)
@@ -335,7 +335,7 @@ class _DelayCompensated(_Plain):
                 )
         return tf.group(copies)
 
-    @_graph_code
+    @graph_code
     def fetch(self, worker, slot):
         """The worker reads its backup ``slot``: what ``before_fetch`` copied."""
         index = self._row(worker, slot)
@@ -345,7 +345,7 @@ class _DelayCompensated(_Plain):
                 params.append(backup.sparse_read(index)[0])
         return params
 
-    @_graph_code
+    @graph_code
     def apply(self, optimizer, grads, worker, fetched, slot):
         index = self._row(worker, slot)
         corrected = []
@@ -371,15 +371,15 @@ class _Unbounded:
 
     s = None
 
-    @_graph_code
+    @graph_code
     def start(self, worker):
         return tf.constant(0, tf.int64)
 
-    @_graph_code
+    @graph_code
     def before_fetch(self, worker):
         return tf.constant(0, tf.int64)
 
-    @_graph_code
+    @graph_code
     def stop(self, worker):
         return tf.constant(0, tf.int64)
 
@@ -442,7 +442,7 @@ class _ClockBound:
         slowest = tf.reduce_min(tf.where(live, clocks, tf.fill(tf.shape(clocks), mine)))
         return mine - slowest, live, clocks
 
-    @_graph_code
+    @graph_code
     def start(self, worker):
         """The worker enters a round: alive, active, its clock raised to the slowest other's."""
         with tf.control_dependencies([self._beat(worker)]):
@@ -460,7 +460,7 @@ class _ClockBound:
                     self._set(self.active, worker, tf.constant(1, tf.int64)).read_value()[0]
                 )
 
-    @_graph_code
+    @graph_code
     def before_fetch(self, worker):
         """Waits while ``worker`` is more than ``s`` blocks ahead, then advances its clock."""
         begin = tf.timestamp()
@@ -503,7 +503,7 @@ class _ClockBound:
         with tf.control_dependencies([counted.read_value(), ticked.read_value()]):
             return tf.identity(lead)
 
-    @_graph_code
+    @graph_code
     def stop(self, worker):
         """The worker leaves its round (an idle worker holds no one back)."""
         return tf.identity(self._set(self.active, worker, tf.constant(0, tf.int64)).read_value()[0])
