@@ -54,15 +54,15 @@ import tensorflow as tf
 from tfdist_ext import _integration
 from tfdist_ext.cluster._ps_strategy import split_paths
 from tfdist_ext.downpour import _staleness
+from tfdist_ext.model_parallel import apply_plan
+from tfdist_ext.model_parallel import plan_partition
+from tfdist_ext.model_parallel._placement import stage_gradients
 
 
 def partition(model, strategy):
     """Places each replica's computation over ``strategy.model_devices``; the plan or ``None``."""
     if not strategy.model_devices:
         return None
-    from tfdist_ext.model_parallel import apply_plan
-    from tfdist_ext.model_parallel import plan_partition
-
     plan = plan_partition(model, strategy.model_devices)
     # Variables stay on the ps tasks; only the computation is placed.
     apply_plan(model, plan, place_variables=False)
@@ -152,8 +152,6 @@ def keras_local_step(model, optimizer, loss_scale):
     statistics) are written where they live (:func:`write_back_assigned`).
     Used by Downpour's round and by elastic averaging's.
     """
-    from tfdist_ext.model_parallel._placement import stage_gradients
-
     trainable = list(model.trainable_variables)
     non_trainable = list(model.non_trainable_variables)
     metric_vars = metric_variables(model)
@@ -198,100 +196,153 @@ def keras_local_step(model, optimizer, loss_scale):
 
 
 def build_round(model, strategy, version, generation):
-    """The tf.function one worker runs for a round of local steps.
+    """The tf.function one worker runs for a round of local steps (:class:`DownpourRound`)."""
+    return tf.function(DownpourRound(model, strategy, version, generation).run)
+
+
+class DownpourRound:
+    """A worker's round: fetch, blocks of local steps, push (see the module's docstring).
 
     ``version`` is the server's update counter (a variable on a ``ps``
     task); staleness is measured in its units. ``generation`` is the
     counter (``DownpourRuntime.fit_generation``, advanced when weights
     change between epochs) that the parameters a worker prefetches for its
     next round belong to.
+
+    :meth:`run` trains in blocks of gcd(n_fetch, n_push) steps. While a
+    block computes, the previous block's push is applied on the ps, and the
+    parameters for the next fetch point are read after it (DistBelief's
+    background push and fetch): a replica computes without its own last
+    push, one push of staleness that the version counter measures like any
+    other. A last, empty block applies the round's last push, so nothing is
+    in flight when the round ends. The fetch's reads on the ps run in every
+    block (no transfer); the crossing only when due, in a cond of no
+    stateful op, so the next push crosses while this fetch still does.
+
+    Only :meth:`run`, :meth:`send` and
+    :meth:`local_steps` hold loops and conds on tensors (autograph converts
+    them); what they call is graph code.
+
+    A fetch's source is the server version it read and its backup slot, the
+    round's fetch count mod 2. Under ``DelayCompensation`` the fetch copies
+    the parameters into that slot of the worker's two backups on the ps, and
+    the push applies against the slot its gradient was computed from. The
+    outbox computed from fetch k is pushed at the start of the next block,
+    before that block's prefetch: at most fetch k + 1 (one per block, the
+    other slot) comes between, so fetch k + 2 never overwrites the slot of a
+    push still to be applied.
     """
-    trainable = list(model.trainable_variables)
-    non_trainable = list(model.non_trainable_variables)
-    if not trainable:
-        raise ValueError("DownpourStrategy: the model has no trainable weights")
-    optimizer = _built_optimizer(model, strategy)
-    loss_scale = LossScale.of(optimizer)
-    n_fetch, n_push = strategy.n_fetch, strategy.n_push
-    param_bytes = sum(nbytes(v) for v in trainable)
-    nt_bytes = sum(nbytes(v) for v in non_trainable)
-    owner = _integration.overridden_step(model, "train_step")
-    # Staleness policy (the fetch and the apply) and SSP clocks: _staleness.py.
-    server = _staleness.server_side(strategy, trainable, version, owner is not None)
-    bound = strategy.clock_bound()
 
-    homes = [piece_homes(v) for v in trainable]
+    def __init__(self, model, strategy, version, generation):
+        trainable = list(model.trainable_variables)
+        non_trainable = list(model.non_trainable_variables)
+        if not trainable:
+            raise ValueError("DownpourStrategy: the model has no trainable weights")
+        self.strategy, self.version, self.trainable = strategy, version, trainable
+        optimizer = _built_optimizer(model, strategy)
+        loss_scale = LossScale.of(optimizer)
+        self.n_fetch, self.n_push = strategy.n_fetch, strategy.n_push
+        self.block = math.gcd(self.n_fetch, self.n_push)
+        self.param_bytes = sum(nbytes(v) for v in trainable)
+        self.nt_bytes = sum(nbytes(v) for v in non_trainable)
+        owner = _integration.overridden_step(model, "train_step")
+        self.user_step = owner is not None
+        # Staleness policy (the fetch and the apply) and SSP clocks: _staleness.py.
+        self.server = _staleness.server_side(strategy, trainable, version, self.user_step)
+        self.bound = strategy.clock_bound()
+        self.homes = [piece_homes(v) for v in trainable]
+        if owner is None:
+            self.step, self.metric_vars = keras_local_step(model, optimizer, loss_scale)
+        else:
+            # The user's step reads the variables where they live (n_fetch is 1);
+            # its metrics accumulate locally, as Keras's own step's do.
+            _check_unsplit(trainable, owner)
+            self.step, self.metric_vars = user_local_step(model, owner, trainable, non_trainable)
+        push, self.state_vars = make_push(
+            strategy,
+            loss_scale.target(optimizer),
+            trainable,
+            self.param_bytes,
+            loss_scale,
+            self.server,
+            version,
+        )
+        self.push = _staleness.graph_code(push)
+        # The next round's parameters, prefetched while the last block computes,
+        # where a fetch leaves nothing on the server to keep in step with it (a
+        # DelayCompensation backup slot, an SSP clock tick) and there is a copy to
+        # keep (Downpour's own step).
+        self.carry = None
+        if owner is None and self.server.fetch_is_a_read and self.bound.s is None:
+            self.carry = PrefetchedParams(strategy, trainable, generation)
 
-    def keras_before_fetch(worker, slot):
+    @_staleness.graph_code
+    def before_fetch(self, worker, slot):
         """What must happen before a fetch, on the ps: the SSP wait, the backup copy."""
-        with tf.control_dependencies(
-            [bound.before_fetch(worker), server.before_fetch(worker, slot)]
-        ):
+        if self.user_step:
+            return tf.constant(True)
+        ops = [self.bound.before_fetch(worker), self.server.before_fetch(worker, slot)]
+        with tf.control_dependencies(ops):
             return tf.constant(True)
 
-    def keras_read(worker, slot):
+    @_staleness.graph_code
+    def read(self, worker, slot):
         """The parameters read on the ps, still there: ``(packed, source)``.
 
-        ``packed`` is one tensor per ps task (``pack``); ``unpack`` on the
-        worker is where they cross. ``source`` is ``(server version,
-        slot)``: ``slot`` (0 or 1) is the worker's backup slot on the ps
-        under ``DelayCompensation`` (see ``round_fn``).
+        ``packed`` is one tensor per ps task (``pack``); :meth:`unpack_params`
+        on the worker is where they cross. ``source`` is ``(server version,
+        slot)``. A user's step reads the parameters itself: only the source.
         """
+        if self.user_step:
+            return [], (self.version.read_value(), slot)
         # Every read on the ps is an op the next block waits for (its
         # stateful ops all are): the word that the reads finished must
         # reach the worker before the values leave the ps, not queue behind
         # their megabytes (see ``pack``). So the version is read first, the
         # parameters after it, and they leave once the worker has word of
         # the reads (``noted``, on the worker: a small message each way on
-        # links otherwise idle at that moment). 1M params, 100 Mbit/s, n =
-        # 5, 2 shards: 0.091 s a step without ``noted``, 0.088 with it.
-        fetched = version.read_value()
+        # links otherwise idle at that moment).
+        fetched = self.version.read_value()
         with tf.control_dependencies([fetched]):
-            params = server.fetch(worker, slot)
+            params = self.server.fetch(worker, slot)
         with tf.control_dependencies(tf.nest.flatten(params)):
             noted = tf.no_op()
         with tf.control_dependencies([noted]):
-            return pack(params, homes, on_ps=True), (fetched, slot)
+            return pack(params, self.homes, on_ps=True), (fetched, slot)
 
-    def keras_unpack(packed):
-        return unpack(packed, trainable, homes, on_ps=False)
+    @_staleness.graph_code
+    def unpack_params(self, packed):
+        if self.user_step:
+            return list(packed)
+        return unpack(packed, self.trainable, self.homes, on_ps=False)
 
-    def version_only(worker, slot):
-        """The user's step reads the parameters itself: only the source."""
-        return [], (version.read_value(), slot)
+    @_staleness.graph_code
+    def first_fetch(self, worker, slot):
+        """The round's first parameters: ``(params, server version, fetches)``."""
+        with tf.control_dependencies([self.bound.start(worker)]):
+            ready = self.before_fetch(worker, slot)
+        with tf.control_dependencies([ready]):
+            packed, (fetched, _) = self.read(worker, slot)
+        return self.unpack_params(packed), fetched, tf.constant(1, tf.int64)
 
-    if owner is None:
-        before_fetch, read, unpack_params = keras_before_fetch, keras_read, keras_unpack
-        step, metric_vars = keras_local_step(model, optimizer, loss_scale)
-    else:
-        # The user's step reads the variables where they live (n_fetch is 1);
-        # its metrics accumulate locally, as Keras's own step's do.
-        _check_unsplit(trainable, owner)
-        before_fetch, read = (lambda worker, slot: tf.constant(True)), version_only
-        step, metric_vars = user_local_step(model, owner, trainable, non_trainable)
-        unpack_params = list
+    @_staleness.graph_code
+    def start(self, worker, slot, prefetch):
+        """``(params, fetched, fetches, started_prefetched, carry_reads)``: the
+        parameters this worker prefetched in its last round of this
+        generation, if any (no fetch crosses alone before the first block),
+        or a fetch."""
+        if self.carry is None:
+            return (*self.first_fetch(worker, slot), tf.constant(False), [])
+        started_prefetched = tf.logical_and(self.carry.valid(), prefetch)
+        # Read outside the cond: a per-worker variable is read where the
+        # function binds it to the worker's copy.
+        held = self.carry.read()
+        params, fetched, fetches = tf.cond(
+            started_prefetched, lambda: held, lambda: self.first_fetch(worker, slot)
+        )
+        return params, fetched, fetches, started_prefetched, [started_prefetched, held[1], *held[0]]
 
-    push, state_vars = make_push(
-        strategy, loss_scale.target(optimizer), trainable, param_bytes, loss_scale, server, version
-    )
-    # The next round's parameters, prefetched while the last block computes,
-    # where a fetch leaves nothing on the server to keep in step with it (a
-    # DelayCompensation backup slot, an SSP clock tick) and there is a copy to
-    # keep (Downpour's own step).
-    carry = None
-    if owner is None and server.fetch_is_a_read and bound.s is None:
-        carry = PrefetchedParams(strategy, trainable, generation)
-
-    block = math.gcd(n_fetch, n_push)
-    # Only round_fn's and local_steps' loops and conds are on tensors. What
-    # they call is graph code, which autograph leaves as written, as Keras
-    # leaves its own train step: converting it all made a round's first trace
-    # take seconds.
-    graph_code = _staleness.graph_code
-    before_fetch, read, unpack_params = map(graph_code, (before_fetch, read, unpack_params))
-    push = graph_code(push)
-
-    def local_steps(batches, first, count, params, accum, metric_values):
+    def local_steps(self, batches, first, count, params, accum, metric_values):
         """Steps ``first..first+count`` of the round on ``params``; the
         gradients add to ``accum``.
 
@@ -301,128 +352,115 @@ def build_round(model, strategy, version, generation):
         """
         for i in tf.range(count):
             data = batch_of(batches, first + i)
-            grads, metric_values = strategy.run(step, args=(params, metric_values, data))
+            grads, metric_values = self.strategy.run(self.step, args=(params, metric_values, data))
             accum = [a + g for a, g in zip(accum, grads)]
         return accum, metric_values
 
-    @tf.function
-    def round_fn(batches, worker, num_steps, prefetch=True):
-        """``num_steps`` local steps; ``prefetch``: start from and keep prefetched parameters."""
-        state = tf.nest.map_structure(lambda v: v.read_value(), state_vars)
-        # The metrics accumulate on a local copy; the round adds what it
-        # changed to the real variables once, at its end (an atomic add, so
-        # concurrent rounds lose no update), instead of a read and a write
-        # on the ps at every step.
-        metrics_start = [tf.convert_to_tensor(v.value) for v in metric_vars]
-        metric_values = metrics_start
-        zeros = [tf.zeros(v.shape, v.dtype) for v in trainable]
-        # A fetch's source: the server version it read and its backup slot,
-        # the round's fetch count mod 2. Under DelayCompensation the fetch
-        # copies the parameters into that slot of the worker's two backups on
-        # the ps, and the push applies against the slot its gradient was
-        # computed from. The outbox computed from fetch k is pushed at the
-        # start of the next block, before that block's prefetch: at most
-        # fetch k + 1 (one per block, the other slot) comes between, so fetch
-        # k + 2 never overwrites the slot of a push still to be applied.
-        slot = tf.constant(0, tf.int64)
+    def send(self, outbox, steps, origin, state, counts, staleness):
+        """Pushes ``outbox``, the gradient of ``steps`` steps from ``origin``
+        (the worker, the server version and slot of the fetch they used).
 
-        def first_fetch():
-            with tf.control_dependencies([bound.start(worker)]):
-                ready = before_fetch(worker, slot)
-            with tf.control_dependencies([ready]):
-                packed, (fetched, _) = read(worker, slot)
-            return unpack_params(packed), fetched, tf.constant(1, tf.int64)
-
-        started_prefetched = tf.constant(False)
-        carry_reads = []
-        if carry is None:
-            params, fetched, fetches = first_fetch()
+        ``counts`` is ``(bytes sent, pushes, rejected, steps applied)``;
+        returns the compressor ``state``, ``counts`` and ``staleness`` after it.
+        """
+        sent, pushes, rejected, applied = counts
+        accepted, before, state, nbytes_sent = self.push(outbox, state, steps, origin)
+        sent += nbytes_sent
+        if accepted:
+            staleness = staleness.write(staleness.size(), before - origin[1])
+            pushes += 1
+            applied += steps
         else:
-            # The parameters this worker prefetched in its last round of this
-            # generation, if any: no fetch crosses alone before the first block.
-            started_prefetched = tf.logical_and(carry.valid(), prefetch)
-            held = carry.read()  # outside the cond: a per-worker variable is
-            # read where the function binds it to the worker's copy
-            params, fetched, fetches = tf.cond(started_prefetched, lambda: held, first_fetch)
-            carry_reads = [started_prefetched, held[1], *held[0]]
-        source = (fetched, slot)
-        prefetched, prefetched_source = params, source
-        accum, carried = zeros, tf.constant(0, tf.int64)  # local steps in accum
+            rejected += 1
+        return state, (sent, pushes, rejected, applied), staleness
+
+    def fetch_due(self, done, count, num_steps, prefetch):
+        """Whether the block that ends at step ``done`` fetches."""
+        if self.carry is None:
+            return done % self.n_fetch == 0 and done < num_steps
+        # The last block fetches too: the next round's parameters.
+        return done % self.n_fetch == 0 and count > 0 and (done < num_steps or prefetch)
+
+    def run(self, batches, worker, num_steps, prefetch=True):
+        """``num_steps`` local steps; ``prefetch``: start from and keep prefetched parameters."""
+        state = tf.nest.map_structure(lambda v: v.read_value(), self.state_vars)
+        # The metrics accumulate on a local copy, added to the real variables
+        # once, at the round's end (an atomic add: concurrent rounds lose no update).
+        metrics_start = [tf.convert_to_tensor(v.value) for v in self.metric_vars]
+        metric_values = metrics_start
+        zeros = [tf.zeros(v.shape, v.dtype) for v in self.trainable]
+        no_steps = tf.constant(0, tf.int64)
+        slot = tf.constant(0, tf.int64)
+        params, fetched, fetches, started_prefetched, carry_reads = self.start(
+            worker, slot, prefetch
+        )
+        source = prefetched_source = (fetched, slot)
+        prefetched, accum, carried = params, zeros, no_steps  # carried: local steps in accum
         # A push in flight: the gradient of `outbox_steps` steps on parameters
         # from `outbox_source` (the latest fetch, when it spans several).
-        outbox, outbox_steps, outbox_source = zeros, tf.constant(0, tf.int64), source
-        sent = tf.constant(0, tf.int64)
-        pushes = tf.constant(0, tf.int64)
-        rejected = tf.constant(0, tf.int64)
-        applied = tf.constant(0, tf.int64)
+        outbox, outbox_steps, outbox_source = zeros, no_steps, source
+        counts = (no_steps, no_steps, no_steps, no_steps)
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
         done = tf.constant(0, tf.int32)
-        # Blocks of gcd(n_fetch, n_push) steps. While a block computes, the
-        # previous block's push is applied on the ps, and the parameters for
-        # the next fetch point are read after it (DistBelief's background
-        # push and fetch): a replica computes without its own last push, one
-        # push of staleness that the version counter measures like any
-        # other. A last, empty block applies the round's last push, so
-        # nothing is in flight when the round ends.
         while done < num_steps or outbox_steps > 0:
             if outbox_steps > 0:
-                accepted, before, state, nbytes_sent = push(
-                    outbox, state, outbox_steps, (worker, *outbox_source)
+                state, counts, staleness = self.send(
+                    outbox, outbox_steps, (worker, *outbox_source), state, counts, staleness
                 )
-                sent += nbytes_sent
-                if accepted:
-                    staleness = staleness.write(staleness.size(), before - outbox_source[0])
-                    pushes += 1
-                    applied += outbox_steps
-                else:
-                    rejected += 1
-            count = tf.minimum(block, num_steps - done)
+            count = tf.minimum(self.block, num_steps - done)
             done += count
-            fetch_due = done % n_fetch == 0 and done < num_steps
-            if carry is not None:
-                # The last block fetches too: the next round's parameters.
-                fetch_due = done % n_fetch == 0 and count > 0 and (done < num_steps or prefetch)
-            # The fetch: the ps side's work when due (stateful), then reads on
-            # the ps in every block (no transfer), then the crossing, only
-            # when due, in a cond of no stateful op. The crossing is then
-            # not part of the block's stateful work, which the next block
-            # waits for: the next push crosses while this fetch still does.
+            fetch_due = self.fetch_due(done, count, num_steps, prefetch)
             ready = tf.constant(True)
             if fetch_due:
-                ready = before_fetch(worker, fetches % 2)
+                ready = self.before_fetch(worker, fetches % 2)
             with tf.control_dependencies([ready]):
-                packed, packed_source = read(worker, fetches % 2)
+                packed, packed_source = self.read(worker, fetches % 2)
             if fetch_due:
-                prefetched, prefetched_source = unpack_params(packed), packed_source
+                prefetched, prefetched_source = self.unpack_params(packed), packed_source
                 fetches += 1
-            accum, metric_values = local_steps(
+            accum, metric_values = self.local_steps(
                 batches, done - count, count, params, accum, metric_values
             )
             carried += tf.cast(count, tf.int64)
-            outbox_steps = tf.constant(0, tf.int64)
-            if done % n_push == 0 or done == num_steps:
+            outbox_steps = no_steps
+            if done % self.n_push == 0 or done == num_steps:
                 outbox, outbox_steps, outbox_source = accum, carried, source
-                accum, carried = zeros, tf.constant(0, tf.int64)
+                accum, carried = zeros, no_steps
             if fetch_due:
                 params, source = prefetched, prefetched_source
-        steps = tf.cast(num_steps, tf.int64)
-        # Per-worker compressor state (error-feedback residuals, momenta)
-        # carries over to this worker's next round. PerWorkerVariables get
-        # no automatic control dependencies: tie the writes to the outputs.
-        saved = [v.assign(t) for v, t in zip(tf.nest.flatten(state_vars), tf.nest.flatten(state))]
-        saved.append(bound.stop(worker))
-        if carry is not None:
-            # Kept when the last block fetched (a round of whole fetch blocks).
-            kept = tf.logical_and(num_steps > 0, num_steps % n_fetch == 0)
-            kept = tf.logical_and(kept, prefetch)
+        saved = self.save(worker, state)
+        if self.carry is not None:
             # After this round's reads of the same per-worker variables: they
-            # get no automatic control dependencies, and the generation a
-            # keep writes is known from the round's start, so without this
-            # the write could come first and the round take as prefetched
-            # parameters it never fetched (seen about once in ten fits).
+            # get no automatic control dependencies, and the generation a keep
+            # writes is known from the round's start, so without this the
+            # write could come first and the round take as prefetched
+            # parameters it never fetched.
             with tf.control_dependencies(carry_reads):
-                saved += carry.keep(kept, prefetched, prefetched_source[0])
-        steps = after_writes(steps, saved, metric_vars, metric_values, metrics_start)
+                saved += self.keep(num_steps, prefetch, prefetched, prefetched_source[0])
+        steps = tf.cast(num_steps, tf.int64)
+        steps = after_writes(steps, saved, self.metric_vars, metric_values, metrics_start)
+        return self.counters(worker, steps, counts, fetches, started_prefetched, staleness)
+
+    @_staleness.graph_code
+    def save(self, worker, state):
+        """The writes of per-worker state: the compressor's (error-feedback
+        residuals, momenta) for this worker's next round, and the SSP clock.
+        PerWorkerVariables get no automatic control dependencies: the writes
+        are tied to the round's outputs (:func:`after_writes`)."""
+        flat = zip(tf.nest.flatten(self.state_vars), tf.nest.flatten(state))
+        return [v.assign(t) for v, t in flat] + [self.bound.stop(worker)]
+
+    @_staleness.graph_code
+    def keep(self, num_steps, prefetch, prefetched, version):
+        """Keeps the last block's fetch for the next round, when the last
+        block fetched (a round of whole fetch blocks)."""
+        kept = tf.logical_and(num_steps > 0, num_steps % self.n_fetch == 0)
+        return self.carry.keep(tf.logical_and(kept, prefetch), prefetched, version)
+
+    @_staleness.graph_code
+    def counters(self, worker, steps, counts, fetches, started_prefetched, staleness):
+        """What a round returns to the chief."""
+        sent, pushes, rejected, applied = counts
         return {
             "worker": worker,
             "steps": steps,
@@ -433,10 +471,8 @@ def build_round(model, strategy, version, generation):
             "rejected": rejected,
             "staleness": staleness.stack(),
             "push_bytes": sent,
-            "fetch_bytes": fetches * param_bytes + steps * 2 * nt_bytes,
+            "fetch_bytes": fetches * self.param_bytes + steps * 2 * self.nt_bytes,
         }
-
-    return round_fn
 
 
 class PrefetchedParams:
@@ -734,53 +770,10 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server, v
     server version its gradients were computed from and that fetch's
     backup slot.
     """
+    applier = _Applier(strategy, optimizer, trainable, loss_scale, server, version)
     compressor = strategy.compression
-    iterations = optimizer.iterations.value
-    homes = [home(v) for v in trainable]
-
-    def apply(grads, steps, origin):
-        # Cross-replica context: each variable's update runs on the ps task
-        # that owns it (extended.update colocates; a split one, piece by piece
-        # on each piece's task). Keras counts 1; the push carries `steps`.
-        with strategy.extended.per_shard_updates(optimizer, trainable):
-            server.apply(optimizer, grads, *origin)
-        with tf.control_dependencies([iterations.assign_add(steps - 1)]):
-            loss_scale.after_accepted()
-        # The version advances once the push is applied, on its ps: deciding
-        # it on the worker took a crossing each way, the second after this
-        # push's fetch had begun to cross (see pack). After the push's writes:
-        # reads of every piece, which follow them.
-        with tf.control_dependencies(tf.nest.flatten(_staleness.read_pieces(trainable))):
-            before = version.assign_add(1) - 1
-        return tf.constant(True), before
-
-    def reject():
-        loss_scale.after_rejected()
-        return tf.constant(False), tf.constant(-1, tf.int64)
-
-    def all_finite(tensors, devices):
-        checks = []
-        for t, device in zip(tensors, devices):
-            with tf.device(device):
-                checks.append(tf.reduce_all(tf.math.is_finite(t)))
-        return tf.reduce_all(checks)
-
-    def checked_apply(accepted, grads, steps, origin):
-        return tf.cond(accepted, lambda: apply(grads, steps, origin), reject)
-
     if compressor is None:
-
-        def push(accum, state, steps, origin):
-            # Checked on the worker, before it crosses: the crossing waits
-            # for no answer from the ps (one that would queue behind a fetch
-            # in flight, see round_fn).
-            accepted = all_finite(accum, [None] * len(accum))
-            grads = one_transfer_per_task(accum, homes, to_ps=True)
-            _, before = checked_apply(accepted, grads, steps, origin)
-            return accepted, before, state, tf.constant(param_bytes, tf.int64)
-
-        return push, []
-
+        return _dense_push(applier, trainable, param_bytes), []
     with strategy.scope():
         state_vars = [
             tf.nest.map_structure(
@@ -789,6 +782,66 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server, v
             )
             for v in trainable
         ]
+    return _compressed_push(applier, compressor, trainable, version), state_vars
+
+
+class _Applier:
+    """A push's gradients applied on the ``ps`` tasks, if all of them are finite."""
+
+    def __init__(self, strategy, optimizer, trainable, loss_scale, server, version):
+        self.strategy, self.optimizer, self.trainable = strategy, optimizer, trainable
+        self.loss_scale, self.server, self.version = loss_scale, server, version
+        self.iterations = optimizer.iterations.value
+
+    def checked(self, accepted, grads, steps, origin):
+        """``(accepted, version before)``: applied if ``accepted``, else rejected."""
+        return tf.cond(accepted, lambda: self.apply(grads, steps, origin), self.reject)
+
+    def apply(self, grads, steps, origin):
+        # Cross-replica context: each variable's update runs on the ps task
+        # that owns it (extended.update colocates; a split one, piece by piece
+        # on each piece's task). Keras counts 1; the push carries `steps`.
+        with self.strategy.extended.per_shard_updates(self.optimizer, self.trainable):
+            self.server.apply(self.optimizer, grads, *origin)
+        with tf.control_dependencies([self.iterations.assign_add(steps - 1)]):
+            self.loss_scale.after_accepted()
+        # The version advances once the push is applied, on its ps: deciding
+        # it on the worker took a crossing each way, the second after this
+        # push's fetch had begun to cross (see pack). After the push's writes:
+        # reads of every piece, which follow them.
+        with tf.control_dependencies(tf.nest.flatten(_staleness.read_pieces(self.trainable))):
+            before = self.version.assign_add(1) - 1
+        return tf.constant(True), before
+
+    def reject(self):
+        self.loss_scale.after_rejected()
+        return tf.constant(False), tf.constant(-1, tf.int64)
+
+    @staticmethod
+    def all_finite(tensors, devices):
+        checks = []
+        for t, device in zip(tensors, devices):
+            with tf.device(device):
+                checks.append(tf.reduce_all(tf.math.is_finite(t)))
+        return tf.reduce_all(checks)
+
+
+def _dense_push(applier, trainable, param_bytes):
+    homes = [home(v) for v in trainable]
+
+    def push(accum, state, steps, origin):
+        # Checked on the worker, before it crosses: the crossing waits for no
+        # answer from the ps (one that would queue behind a fetch in flight).
+        accepted = applier.all_finite(accum, [None] * len(accum))
+        grads = one_transfer_per_task(accum, homes, to_ps=True)
+        _, before = applier.checked(accepted, grads, steps, origin)
+        return accepted, before, state, tf.constant(param_bytes, tf.int64)
+
+    return push
+
+
+def _compressed_push(applier, compressor, trainable, version):
+    homes = [home(v) for v in trainable]
 
     def push(accum, state, steps, origin):
         step = version.read_value()
@@ -803,12 +856,12 @@ def make_push(strategy, optimizer, trainable, param_bytes, loss_scale, server, v
                 grads.append(compressor.decompress(wire, a.shape, a.dtype))
         # Checked on each ps task after decompression: the wire form can
         # overflow where the gradient did not (fp16).
-        accepted, before = checked_apply(all_finite(grads, homes), grads, steps, origin)
+        accepted, before = applier.checked(applier.all_finite(grads, homes), grads, steps, origin)
         if tf.nest.flatten(candidate):
             state = tf.cond(accepted, lambda: candidate, lambda: state)
         return accepted, before, state, tf.add_n([compressor.wire_bytes(w) for w in wires])
 
-    return push, state_vars
+    return push
 
 
 def home(variable):

@@ -6,6 +6,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext import compression as compression_lib
 from tfdist_ext.cluster._ps_strategy import ParameterServerBase
 from tfdist_ext.cluster._ps_strategy import positive_int
 from tfdist_ext.downpour import _round
@@ -23,108 +24,30 @@ class DownpourStrategy(ParameterServerBase):
     """Downpour SGD (Dean et al., 2012) as a ``tf.distribute`` strategy.
 
     Model replicas run asynchronously on the ``worker`` tasks; the parameters
-    and the optimizer state live on the ``ps`` tasks, sharded: variables of at
-    least ``min_shard_bytes`` are split along their first axis across the
-    ``ps`` tasks, smaller ones are placed whole on the least-loaded shard so
-    that shards carry balanced bytes. Each replica keeps a local copy of the
-    parameters, fetches fresh ones every ``n_fetch`` steps, accumulates its
-    gradients locally and pushes their sum every ``n_push`` steps; the ``ps``
-    tasks apply the user's compiled optimizer (Adagrad in the paper) to each
-    push. Pushes holding NaN or Inf are rejected and counted. Replicas never
-    wait for each other.
-
-    Use it as any Keras user uses a strategy: build and compile under
-    ``scope()``, then ``fit``, ``evaluate``, ``predict`` and ``save`` as usual.
-    ``fit`` reports ``staleness_mean``/``staleness_max`` (server updates
-    between a replica's fetch and its push), ``pushes``,
-    ``rejected_pushes`` and bytes per step in the logs and ``History``;
-    ``strategy.stats`` keeps every staleness value.
-
-    ``optimizer.iterations`` counts training steps (batches), as in plain
-    Keras: each push advances it by the number of local steps it carries,
-    so a ``LearningRateSchedule`` written in steps means what it means
-    without the strategy (the rate of a push is the schedule's at the step
-    the push starts from: exact to within ``n_push`` steps). Concurrent
-    pushes may overlap in Keras's own increment during an epoch; at each
-    epoch's end it is set to the exact number of steps the server applied.
-
-    The model's loss is Keras's: the compiled loss, or the model's
-    ``compute_loss`` override, runs on the workers. A model that overrides
-    ``train_step`` has its own step run on the workers (with ``n_fetch=1``,
-    checked when ``fit`` starts): the step reads the model's variables where
-    they live, on the ``ps`` tasks, and its ``self.optimizer.apply_gradients``
-    (or ``apply``) call is where Downpour takes the gradients, accumulating
-    them and pushing every ``n_push`` steps instead of updating (Horovod's
-    ``DistributedOptimizer`` idea). Its weights must not be split across
-    ``ps`` tasks (raise ``min_shard_bytes``).
-
-    Mixed precision works: under ``mixed_float16`` each local step scales
-    its loss by the ``LossScaleOptimizer``'s current scale and unscales its
-    gradients, the push is applied through the inner optimizer, and the
-    server halves the scale on a non-finite push (skipped, and counted in
-    ``rejected_pushes`` without a warning, as Keras skips it silently) and
-    doubles it after ``dynamic_growth_steps`` accepted ones.
-
-    The chief reads ``fit``'s input with Keras's own data adapter and epoch
-    iterator, so every example is trained once per epoch as in Keras, and
-    sends the batches to the workers: each dispatch runs a round of many
-    local steps, as Keras's ``steps_per_execution`` does (the model's
-    ``compile(steps_per_execution=k)`` when ``k > 1``, otherwise up to 50,
-    fewer while a worker idles; an epoch's first round is the batches of
-    Keras's first call, whose logs wait for it: with ``steps_per_execution``
-    a multiple of ``lcm(n_fetch, n_push)`` every round holds whole fetch and
-    push blocks). Callbacks still see
-    every call Keras makes; the logs they get are those of the rounds
-    finished so far (exact at each epoch's end). A round accumulates the
-    metrics locally and adds them to the model's metric variables at its end.
-    Inside a round, as DistBelief's replicas do from background threads,
-    each push is applied on the server while the replica computes its next
-    steps, and the parameters for the next fetch are read after that push:
-    a replica computes without its own latest push, one push of staleness,
-    which ``staleness_mean``/``staleness_max`` report like any other. A
-    round ends with its last push applied.
-
-    Dispatch, worker-failure handling and variable placement are TensorFlow's
-    own: the strategy extends ``ParameterServerStrategy`` and schedules each
-    round of local steps with ``ClusterCoordinator``. A killed worker loses
-    only its unsent gradients; the others carry on and it rejoins when it is
-    back. A lost ``ps`` task stops ``fit`` with a clear error within
-    ``deadline`` seconds.
+    and the optimizer state live on the ``ps`` tasks, sharded. Each replica
+    fetches the parameters every ``n_fetch`` steps and pushes the sum of its
+    gradients every ``n_push`` steps; the ``ps`` tasks apply the compiled
+    optimizer (Adagrad in the paper) to each push. Build and compile under
+    ``scope()``, then ``fit``, ``evaluate``, ``predict`` and ``save`` as
+    usual; ``fit`` adds ``staleness_mean``/``staleness_max``, ``pushes``,
+    ``rejected_pushes`` and bytes per step to the logs. The guide
+    (``docs/api/guides/downpour.rst``) covers rounds, ``train_step``
+    overrides, mixed precision, faults and pitfalls.
 
     Args:
-      cluster_resolver: resolver of a cluster with ``chief`` (this process),
-        ``worker`` and ``ps`` jobs, e.g. ``LocalCluster(...).resolver``.
-      n_fetch: fetch parameters from the server every ``n_fetch`` steps.
-      n_push: push the accumulated gradient every ``n_push`` steps.
-      warmstart_steps: train the first steps on a single replica (one step at
-        a time, in order) before the other replicas join.
-      min_shard_bytes: variables at least this large are split across the
-        ``ps`` tasks.
+      cluster_resolver: a cluster with ``chief`` (this process), ``worker``
+        and ``ps`` jobs, e.g. ``LocalCluster(...).resolver``.
+      n_fetch: fetch the parameters every ``n_fetch`` steps.
+      n_push: push the summed gradient every ``n_push`` steps.
+      warmstart_steps: train the first steps on one replica, in order.
+      min_shard_bytes: variables at least this large are split across ``ps`` tasks.
       deadline: seconds any wait on another task may take before it fails.
-      compression: a ``tfdist_ext.compression`` compressor (or its name, e.g.
-        ``"ef_topk"``) applied to every push: the worker sends the compressed
-        wire form, the ``ps`` task owning each variable decompresses it, and
-        the compressor's state (error-feedback residuals, DGC momenta) stays
-        on the worker. ``push_bytes_per_step`` then counts the wire tensors.
-      model_devices: devices of one worker task (e.g. ``["/device:CPU:0",
-        "/device:CPU:1"]``) over which each replica's model is partitioned,
-        as in DistBelief: contiguous stages balanced by parameter bytes
-        (``tfdist_ext.model_parallel.plan_partition``), computation placed
-        stage by stage, only activations crossing stages. The plan is in
-        ``strategy.plan`` after ``fit`` starts. Needs workers with that many
-        devices (``LocalCluster(devices_per_worker=k)``).
-      staleness_policy: how the ``ps`` tasks apply a stale push: ``None``
-        (as pushed), ``tfdist_ext.downpour.StalenessAwareLR()`` (the rate
-        divided by the push's staleness) or
-        ``tfdist_ext.downpour.DelayCompensation(lam)`` (DC-ASGD's correction
-        from two backup slots per worker of the fetched parameters on the
-        ``ps``: ``2 * num_workers`` copies of the model).
-      max_staleness: ``None``, or an int ``s >= 0``: stale synchronous
-        parallel, the fastest worker at most ``s`` fetch blocks ahead of the
-        slowest live one (it waits before its fetch, at most ``deadline``
-        seconds, then ``fit`` raises ``ClusterTimeoutError`` naming the
-        workers it waited for; a lost worker leaves the bound).
-        ``strategy.stats.clock_leads`` counts the fetches per lead ``0..s``.
+      compression: a ``tfdist_ext.compression`` compressor, or its name.
+      model_devices: devices of one worker task over which each replica's
+        model is partitioned (``strategy.plan`` after ``fit`` starts).
+      staleness_policy: ``None``, ``tfdist_ext.downpour.StalenessAwareLR()``
+        or ``tfdist_ext.downpour.DelayCompensation(lam)``.
+      max_staleness: ``None`` or ``s >= 0``: stale synchronous parallel.
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
@@ -156,8 +79,6 @@ class DownpourStrategy(ParameterServerBase):
         self.n_push = n_push
         self.warmstart_steps = _positive_int("warmstart_steps", warmstart_steps, 0)
         if compression is not None:
-            from tfdist_ext import compression as compression_lib
-
             compression = compression_lib.get(compression)
         self.compression = compression
         self.staleness_policy = _staleness.check_policy(staleness_policy)
@@ -284,8 +205,6 @@ class DownpourStrategy(ParameterServerBase):
     def _kwargs_from_config(cls, config):
         kwargs = dict(config)
         if kwargs.get("compression") is not None:
-            from tfdist_ext import compression as compression_lib
-
             kwargs["compression"] = compression_lib.get(kwargs["compression"])
         if "staleness_policy" in kwargs:
             kwargs["staleness_policy"] = _staleness.policy_from_config(kwargs["staleness_policy"])
