@@ -95,11 +95,13 @@ both ends (tox envs ``keras-oldest`` and ``keras-newest``).
 import contextlib
 import contextvars
 import functools
+import importlib
 import inspect
 import itertools
 import threading
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 #: Oldest and newest Keras versions the test suite runs against.
@@ -143,8 +145,6 @@ def _check_source(function, text):
 
 def _import(module, *names):
     """``from module import names`` as a tuple; records a problem for each that fails."""
-    import importlib
-
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
@@ -988,8 +988,6 @@ def _sharded_numpy(variable):
 
 
 def _sharded_array(variable, dtype=None, copy=None):
-    import numpy as np
-
     return np.asarray(_sharded_numpy(variable), dtype=dtype)
 
 

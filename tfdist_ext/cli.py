@@ -11,6 +11,7 @@ Example::
     tfdist-ext demo --epochs 5
 """
 
+import importlib
 import sys
 
 USAGE = """\
@@ -42,12 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command, rest = argv[0], argv[1:]
     if command == "server":
+        # Each command imports only what it runs: `tfdist-ext server` starts fast.
         from tfdist_ext import server
 
         return server.main(rest)
     if command in ("launch", "task", "rehearse"):
-        import importlib
-
         return importlib.import_module(f"tfdist_ext.{command}").main(rest)
     if command == "demo":
         from tfdist_ext import _demo

@@ -59,6 +59,7 @@ def _result(x, y, as_numpy):
     y = np.ascontiguousarray(y, dtype=np.int32)
     if as_numpy:
         return x, y
+    # as_numpy needs no TensorFlow: it loads only for a tf.data.Dataset.
     import tensorflow as tf
 
     return tf.data.Dataset.from_tensor_slices((x, y))
@@ -196,6 +197,7 @@ def from_tfds(name: str, split: str = "train", *, data_dir: str, as_numpy: bool 
     """
     if not data_dir:
         raise ValueError("from_tfds: data_dir is required (nothing is downloaded)")
+    # TensorFlow loads only when used: the CLI, launchers and cluster start without it.
     import tensorflow as tf
 
     tfds = _optional("tensorflow_datasets", "from_tfds", "tfds")

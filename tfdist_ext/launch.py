@@ -144,6 +144,7 @@ def main(argv=None):
 
 def supervise(specs, max_restarts, stop_timeout, prog):
     """Runs the job until the chief ends, restarting it after a failure; its exit status."""
+    # The supervisor (signals, processes) loads only when a job runs.
     from tfdist_ext import _supervise
 
     stop = threading.Event()

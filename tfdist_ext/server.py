@@ -131,6 +131,7 @@ def _serve(args):
     set_task_env_defaults(os.environ)
     _skip_tensorflows_keras_import()
     with native_log_without(TF_START_UP_NOISE):
+        # After the task's environment is set: TensorFlow reads it when it loads.
         import tensorflow as tf
 
         inter_op = args.inter_op_threads or len(cluster.get("worker", ())) + 1
@@ -169,6 +170,7 @@ def _skip_tensorflows_keras_import():
     unusable in the task, and nothing in it uses it; ``import keras`` works
     as usual. A value the user set is left alone.
     """
+    # Only when the task starts: importing tfdist_ext.server stays cheap.
     import importlib.util
 
     if "TF_USE_LEGACY_KERAS" not in os.environ and importlib.util.find_spec("tf_keras") is None:

@@ -1,9 +1,12 @@
 """A Keras callback logging the bytes a compressed strategy put on the wire (internal)."""
 
+import os
 import time
 
 import keras
 import tensorflow as tf
+
+from tfdist_ext.compression._strategy import _CompressedExchange
 
 
 @keras.saving.register_keras_serializable(package="tfdist_ext")
@@ -59,8 +62,6 @@ class CompressionLogger(keras.callbacks.Callback):
         return self._bind(self.model)
 
     def _bind(self, model):
-        from tfdist_ext.compression._strategy import _CompressedExchange
-
         strategy = self.strategy
         if strategy is None and model is not None:
             strategy = getattr(model, "distribute_strategy", None)
@@ -138,28 +139,20 @@ class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
         return CompressionLogger(self.strategy)._bind(self.model)
 
     def _state_dir(self):
-        import os
-
         return os.path.join(self.backup_dir, "compression_state")
 
     def _checkpoint(self):
-        import tensorflow as tf
-
         strategy = self._compressed_strategy()
         return tf.train.Checkpoint(compression=strategy.compression_state)
 
     def _load_model(self):
         super()._load_model()
-        import tensorflow as tf
-
         latest = tf.train.latest_checkpoint(self._state_dir())
         if latest:
             self._checkpoint().restore(latest)
 
     def _save_model(self):
         super()._save_model()
-        import tensorflow as tf
-
         ckpt = self._checkpoint()
         tf.train.CheckpointManager(ckpt, self._state_dir(), max_to_keep=2).save()
 

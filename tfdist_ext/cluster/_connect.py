@@ -33,6 +33,7 @@ def connect(cluster_resolver, *, job_name="chief", timeout=60.0, require_jobs=()
       ...     with tf.device("/job:ps/task:0"):
       ...         v = tf.Variable(1.0)
     """
+    # TensorFlow loads only when used: the CLI, launchers and cluster start without it.
     import tensorflow as tf
 
     from tfdist_ext import _integration

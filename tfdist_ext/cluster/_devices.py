@@ -29,6 +29,7 @@ def logical_cpus(n, threads_per_device=None):
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"logical_cpus: n must be a positive integer, got {n!r}")
+    # TensorFlow loads only when used: the CLI, launchers and cluster start without it.
     import tensorflow as tf
 
     cpu = tf.config.list_physical_devices("CPU")[0]

@@ -84,6 +84,7 @@ def _kubernetes(env, num_ps, port):
 
 
 def _slurm(env, num_ps, port):
+    # Only for Slurm (TensorFlow's SlurmClusterResolver): the other environments need none.
     import tensorflow as tf
 
     saved = dict(os.environ)

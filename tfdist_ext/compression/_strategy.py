@@ -40,6 +40,7 @@ from tfdist_ext.compression import _wire
 from tfdist_ext.compression import _worker_files
 from tfdist_ext.compression._base import Compressor
 from tfdist_ext.compression._compressors import NoCompression
+from tfdist_ext.compression._registry import get
 
 
 class CompressionState(tf.Module):
@@ -76,8 +77,6 @@ class _CompressedExchange:
         if compression is None:
             compression = NoCompression()
         if isinstance(compression, str):
-            from tfdist_ext.compression import get
-
             compression = get(compression)
         if not isinstance(compression, Compressor):
             raise ValueError(

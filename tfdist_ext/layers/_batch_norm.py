@@ -120,6 +120,7 @@ class IndependentBatchNormalization(keras.layers.BatchNormalization):
             if batch % n:
                 raise ValueError(f"{message} (got a batch of {batch})")
         elif keras.backend.backend() == "tensorflow":
+            # Only on the TensorFlow backend: the layer itself is backend-neutral.
             import tensorflow as tf
 
             with tf.control_dependencies(

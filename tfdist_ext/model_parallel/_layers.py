@@ -4,6 +4,9 @@ from collections.abc import Callable
 from collections.abc import Sequence
 
 import keras
+import tensorflow as tf
+
+from tfdist_ext.model_parallel._devices import on_device
 
 
 def column_sizes(units, num_shards):
@@ -77,14 +80,12 @@ class ColumnParallelDense(keras.layers.Layer):
         self.shard_sizes = column_sizes(units, num_shards)
 
     def build(self, input_shape):
-        from tfdist_ext.model_parallel import _placement
-
         in_dim = int(input_shape[-1])
         self.kernels, self.biases = [], []
         # Shards whose devices are already known are created there directly.
         devices = self._shard_placement or self.devices or [None] * self.num_shards
         for i, (size, device) in enumerate(zip(self.shard_sizes, devices)):
-            with _placement.on_device(device):
+            with on_device(device):
                 self.kernels.append(
                     self.add_weight(
                         name=f"kernel_shard_{i}",
@@ -106,8 +107,6 @@ class ColumnParallelDense(keras.layers.Layer):
         return [[k] for k in self.kernels]
 
     def call(self, inputs):
-        import tensorflow as tf
-
         devices = self._shard_placement or [None] * self.num_shards
         outs = []
         for i, device in enumerate(devices):

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from tfdist_ext import _integration
 from tfdist_ext.model_parallel import _placement
+from tfdist_ext.model_parallel._plan import top_level_layers
 
 _unpack = _integration.unpack_x_y_sample_weight
 
@@ -93,8 +94,6 @@ def batch_statistics_problem(model, microbatches):
     """
     if microbatches == 1:
         return None
-    from tfdist_ext.model_parallel._plan import top_level_layers
-
     found = [
         f"{layer.name!r} ({type(layer).__name__})"
         for top in top_level_layers(model)
@@ -116,8 +115,6 @@ def batch_statistics_problem(model, microbatches):
 
 def _graph(model):
     """``(calls, input keys, output keys)`` of ``model``'s graph in a topological order."""
-    from tfdist_ext.model_parallel._plan import top_level_layers
-
     if isinstance(model, keras.Sequential):
         layers = top_level_layers(model)
         calls = [_Call(layer, None, [i], [i + 1]) for i, layer in enumerate(layers)]

@@ -30,44 +30,18 @@ the same name and weights whose shards are created on their devices.
 
 import contextlib
 import functools
-import threading
 import weakref
 from typing import Any
 
 import keras
+import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.model_parallel._devices import current_forced_device  # noqa: F401 - _strategy's
+from tfdist_ext.model_parallel._devices import forced_device
+from tfdist_ext.model_parallel._layers import ColumnParallelDense
 from tfdist_ext.model_parallel._plan import Plan
-
-_LOCAL = threading.local()
-
-
-@contextlib.contextmanager
-def forced_device(device):
-    """Variables created inside go to ``device`` even under a strategy scope."""
-    previous = getattr(_LOCAL, "device", None)
-    _LOCAL.device = device
-    try:
-        yield
-    finally:
-        _LOCAL.device = previous
-
-
-def current_forced_device():
-    return getattr(_LOCAL, "device", None)
-
-
-@contextlib.contextmanager
-def on_device(device):
-    """``tf.device(device)`` that also forces variable placement; no-op for ``None``."""
-    import tensorflow as tf
-
-    if device is None:
-        yield
-        return
-    with forced_device(device), tf.device(device):
-        yield
-
+from tfdist_ext.model_parallel._plan import top_level_layers
 
 _GRADIENT_PREFIX = "gradient_tape/"
 _STAGE_SCOPES = weakref.WeakKeyDictionary()  # graph -> {name scope: device}
@@ -75,8 +49,6 @@ _STAGE_SCOPES = weakref.WeakKeyDictionary()  # graph -> {name scope: device}
 
 def _record_stage_scope(device):
     """Notes, in graph mode, that ops under the current name scope belong to ``device``."""
-    import tensorflow as tf
-
     if tf.executing_eagerly():
         return
     graph = tf.compat.v1.get_default_graph()
@@ -116,7 +88,6 @@ def stage_gradients():
       >>> with stage_gradients():                   # doctest: +SKIP
       ...     grads = tape.gradient(loss, params)
     """
-    import tensorflow as tf
 
     if tf.executing_eagerly():
         yield
@@ -127,8 +98,6 @@ def stage_gradients():
 
 def same_device(a, b):
     """Whether two device strings name the same device (type and index)."""
-    import tensorflow as tf
-
     if not a or not b:
         return False
     da, db = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
@@ -139,8 +108,6 @@ def same_device(a, b):
 
 def _move(keras_variable, device):
     """Re-creates ``keras_variable``'s tf.Variable on ``device``; True if moved."""
-    import tensorflow as tf
-
     old = keras_variable.value
     if same_device(old.device, device):
         return None
@@ -160,7 +127,6 @@ def _move(keras_variable, device):
 
 
 def _wrap_call(layer, device):
-    import tensorflow as tf
 
     original = layer.__dict__.get("_tfdist_original_call")
     if original is None:
@@ -182,7 +148,6 @@ def _wrap_call(layer, device):
 def variable_devices(model, plan):
     """``{id(keras.Variable): device}`` for the variables of ``model``'s
     top-level layers as ``plan`` places them (column shards on theirs)."""
-    from tfdist_ext.model_parallel._plan import top_level_layers
 
     out = {}
     for layer in top_level_layers(model):
@@ -228,8 +193,6 @@ def apply_plan(
       >>> model.layers[-1].kernel.value.device  # doctest: +SKIP
       '/job:localhost/replica:0/task:0/device:CPU:1'
     """
-    from tfdist_ext.model_parallel._layers import ColumnParallelDense
-    from tfdist_ext.model_parallel._plan import top_level_layers
 
     layers = top_level_layers(model)
     devices = plan.layer_devices
@@ -267,11 +230,6 @@ def apply_plan(
 
 def _split_dense(model, dense, devices):
     """Replaces ``dense`` in Sequential ``model`` by a same-weights ColumnParallelDense."""
-    import keras
-    import tensorflow as tf
-
-    from tfdist_ext.model_parallel._layers import ColumnParallelDense
-
     if not isinstance(model, keras.Sequential):
         raise ValueError(
             f"the plan splits layer {dense.name!r} column-wise, which needs a Sequential "

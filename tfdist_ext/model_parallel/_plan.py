@@ -32,6 +32,9 @@ from typing import Literal
 import keras
 import numpy as np
 
+from tfdist_ext import _integration
+from tfdist_ext.model_parallel._layers import column_sizes
+
 # A built Keras model, or its layers in call order.
 ModelOrLayers = keras.Model | Sequence[keras.layers.Layer]
 
@@ -211,7 +214,6 @@ def _input_shape(layer):
 
 
 def _flops(layer, in_shape, out_shape):
-    import keras
 
     out_elems = _shape_elems(out_shape) if out_shape else 0
     if isinstance(layer, keras.layers.Dense) or type(layer).__name__ == "ColumnParallelDense":
@@ -268,8 +270,6 @@ def _crossing_bytes(model, layers):
     """For a functional model: per example, the bytes of all tensors that cross a
     cut placed after each layer (in the topological order of ``layers``) --
     branches and skip connections included; ``None`` for other models."""
-    from tfdist_ext import _integration
-
     if not _integration.is_functional(model):
         return None
     position = {id(layer): i for i, layer in enumerate(layers)}
@@ -297,8 +297,6 @@ def _crossing_bytes(model, layers):
 
 def top_level_layers(model_or_layers):
     """The top-level layers of a model in call order (input layers dropped)."""
-    import keras
-
     if isinstance(model_or_layers, keras.Model):
         if not _built(model_or_layers):
             raise ValueError(
@@ -495,8 +493,6 @@ def plan_partition(
 
 def _split_problem(model_or_layers, layer):
     """Why ``layer`` cannot be split column-wise automatically (``None`` if it can)."""
-    import keras
-
     if type(layer) is not keras.layers.Dense:
         return (
             f"it is a {type(layer).__name__}; only keras.layers.Dense layers are "
@@ -524,8 +520,6 @@ def _max_shards(layer, k):
 
 def _dense_shard_bytes(layer, num_shards):
     """Parameter bytes of each column shard of ``Dense`` ``layer`` split ``num_shards`` ways."""
-    from tfdist_ext.model_parallel._layers import column_sizes
-
     in_dim = int(layer.kernel.shape[0])
     dtype = _dtype_bytes(layer.kernel.dtype)
     return tuple(
