@@ -70,6 +70,23 @@ def apply_goyal_recipe(
     Example:
       >>> report = apply_goyal_recipe(resnet, weight_decay=1e-4)  # doctest: +SKIP
     """
+    _check_recipe_args(model, weight_decay)
+    report = {"zero_gamma": [], "weight_decay": []}
+    if zero_gamma:
+        layers = (
+            _named_layers(model, zero_gamma_layers)
+            if zero_gamma_layers is not None
+            else residual_branch_norms(model)
+        )
+        for layer in layers:
+            _zero_gamma(layer)
+            report["zero_gamma"].append(layer.name)
+    if weight_decay > 0:
+        report["weight_decay"] = _decay_kernels(model, weight_decay)
+    return report
+
+
+def _check_recipe_args(model, weight_decay):
     if not isinstance(model, keras.Model):
         raise ValueError(
             f"apply_goyal_recipe: model must be a keras.Model, got {type(model).__name__}"
@@ -84,26 +101,21 @@ def apply_goyal_recipe(
         raise ValueError(
             f"apply_goyal_recipe: weight_decay must be a number >= 0, got {weight_decay!r}"
         )
-    report = {"zero_gamma": [], "weight_decay": []}
-    if zero_gamma:
-        layers = (
-            _named_layers(model, zero_gamma_layers)
-            if zero_gamma_layers is not None
-            else residual_branch_norms(model)
-        )
-        for layer in layers:
-            _zero_gamma(layer)
-            report["zero_gamma"].append(layer.name)
-    if weight_decay > 0:
-        for layer in _all_layers(model):
-            kernel = getattr(layer, "kernel", None)
-            if kernel is None or isinstance(layer, _NORMALIZATION):
-                continue
-            regularizer = keras.regularizers.L2(weight_decay / 2.0)
-            layer.kernel_regularizer = regularizer
-            kernel.regularizer = regularizer
-            report["weight_decay"].append(layer.name)
-    return report
+
+
+def _decay_kernels(model, weight_decay):
+    """An L2 regulariser of ``weight_decay / 2`` on every kernel outside the
+    normalisation layers; the names of the layers it went to."""
+    names = []
+    for layer in _all_layers(model):
+        kernel = getattr(layer, "kernel", None)
+        if kernel is None or isinstance(layer, _NORMALIZATION):
+            continue
+        regularizer = keras.regularizers.L2(weight_decay / 2.0)
+        layer.kernel_regularizer = regularizer
+        kernel.regularizer = regularizer
+        names.append(layer.name)
+    return names
 
 
 def residual_branch_norms(model: keras.Model) -> list[keras.layers.Layer]:
