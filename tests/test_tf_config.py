@@ -50,6 +50,11 @@ def _bad(**changes):
         (_bad(cluster__worker=["localhost"]), (), "cluster.worker[0]"),
         (_bad(cluster__worker=[]), (), "cluster.worker"),
         (json.dumps({"task": {"type": "worker"}}), (), "cluster"),
+        # Two tasks at one address: the second is named, with the first.
+        (_bad(cluster__worker=["127.0.0.1:2001", "127.0.0.1:2001"]), (), "cluster.worker[1]"),
+        (_bad(cluster__ps=["127.0.0.1:2000"]), (), "cluster.ps[0]: '127.0.0.1:2000' is also "),
+        # A second chief.
+        (_bad(cluster__chief=["127.0.0.1:2000", "127.0.0.1:2009"]), (), "cluster.chief: a cluster"),
     ],
 )
 def test_errors_name_the_field(text, require, field):

@@ -70,6 +70,14 @@ def parse_tf_config(text=None, *, require_jobs=()):
     Raises:
       TFConfigError: naming the field that is wrong.
     """
+    config = _load(text)
+    cluster = config.get("cluster")
+    _check_cluster(cluster, require_jobs)
+    task_type, index = _check_task(config.get("task"), cluster)
+    return cluster, task_type, index
+
+
+def _load(text):
     if text is None:
         text = os.environ.get("TF_CONFIG")
         if text is None:
@@ -80,12 +88,16 @@ def parse_tf_config(text=None, *, require_jobs=()):
         raise TFConfigError(f"TF_CONFIG is not valid JSON: {e}") from None
     if not isinstance(config, dict):
         raise TFConfigError("TF_CONFIG must be a JSON object")
-    cluster = config.get("cluster")
+    return config
+
+
+def _check_cluster(cluster, require_jobs):
     if not isinstance(cluster, dict) or not cluster:
         raise TFConfigError(
             "TF_CONFIG field cluster: expected a non-empty object mapping "
             "job names to address lists"
         )
+    seen = {}  # address -> the field that named it first
     for job, addresses in cluster.items():
         if job not in KNOWN_JOBS:
             raise TFConfigError(
@@ -98,12 +110,25 @@ def parse_tf_config(text=None, *, require_jobs=()):
             )
         for i, address in enumerate(addresses):
             _check_address(job, i, address)
+            if address in seen:
+                raise TFConfigError(
+                    f"TF_CONFIG field cluster.{job}[{i}]: {address!r} is also "
+                    f"{seen[address]}; every task needs its own host:port"
+                )
+            seen[address] = f"cluster.{job}[{i}]"
+    if len(cluster.get("chief", ())) > 1:
+        raise TFConfigError(
+            f"TF_CONFIG field cluster.chief: a cluster has one chief, got "
+            f"{len(cluster['chief'])}; make the others workers"
+        )
     for job in require_jobs:
         if job not in cluster:
             raise TFConfigError(
                 f"TF_CONFIG field cluster.{job}: missing; this strategy needs a {job!r} job"
             )
-    task = config.get("task")
+
+
+def _check_task(task, cluster):
     if not isinstance(task, dict):
         raise TFConfigError("TF_CONFIG field task: expected an object with 'type' and 'index'")
     task_type = task.get("type")
@@ -120,4 +145,4 @@ def parse_tf_config(text=None, *, require_jobs=()):
             f"TF_CONFIG field task.index: {index} is out of range for job "
             f"{task_type!r} with {len(cluster[task_type])} task(s)"
         )
-    return cluster, task_type, index
+    return task_type, index
