@@ -96,6 +96,21 @@ def figure(case, system, metric, unit, samples, **extra):
     return out
 
 
+def sharded_batches(tf, x, y, global_batch, seed):
+    """A synchronous run's training input: ``(x, y)`` shuffled, in global batches,
+    repeated, and split by the strategy's auto-sharding by data, as each worker
+    of ``MultiWorkerMirroredStrategy`` reads it."""
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .shuffle(len(x), seed=seed)
+        .batch(global_batch, drop_remainder=True)
+        .repeat()
+        .with_options(options)
+    )
+
+
 def machine_info():
     """Where a result was measured. ``vector_isa`` is the widest x86 SIMD set
     the cores report: the same CPU model name can hide machines whose compute

@@ -26,6 +26,8 @@ import statistics
 import sys
 import time
 
+from benchmarks import _harness
+
 BATCH = 64  # per worker
 EVAL_EXAMPLES = 1000
 
@@ -48,15 +50,20 @@ def parameters(hidden):
 
 def net_bytes(pid="self"):
     """(received, transmitted) bytes on every interface but ``lo`` of ``pid``'s namespace."""
-    rx = tx = 0
     with open(f"/proc/{pid}/net/dev") as f:
-        for line in f.readlines()[2:]:
-            name, data = line.split(":", 1)
-            if name.strip() == "lo":
-                continue
-            fields = data.split()
-            rx += int(fields[0])
-            tx += int(fields[8])
+        return parse_net_dev(f.read())
+
+
+def parse_net_dev(text):
+    """(received, transmitted) bytes of a ``/proc/*/net/dev`` table, ``lo`` left out."""
+    rx = tx = 0
+    for line in text.splitlines()[2:]:
+        name, data = line.split(":", 1)
+        if name.strip() == "lo":
+            continue
+        fields = data.split()
+        rx += int(fields[0])
+        tx += int(fields[8])
     return rx, tx
 
 
@@ -296,15 +303,7 @@ def worker(cfg):
     strategy = C.CompressedMultiWorkerMirroredStrategy(compression=compressor)
     compute = _compute_seconds(tf, keras, cfg, x, y, cfg["compute_repeats"])
     keras.utils.set_random_seed(cfg["seed"])
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    train_data = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(len(x), seed=cfg["seed"])
-        .batch(2 * BATCH, drop_remainder=True)
-        .repeat()
-        .with_options(options)
-    )
+    train_data = _harness.sharded_batches(tf, x, y, 2 * BATCH, cfg["seed"])
     with strategy.scope():
         net = model(keras, cfg["hidden"])
         net.compile(

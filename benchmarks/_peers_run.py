@@ -28,6 +28,7 @@ import os
 import sys
 import time
 
+from benchmarks import _harness
 from benchmarks._downpour_run import _cpu_seconds
 
 BATCH = 64  # examples per worker step, every system
@@ -257,15 +258,7 @@ def worker(cfg):
     strategy = _sync_strategy(tf, cfg)
     (x, y), (xt, yt) = data(cfg["case"], cfg["seed"])
     keras.utils.set_random_seed(cfg["seed"])
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    train = (
-        tf.data.Dataset.from_tensor_slices((x, y))
-        .shuffle(len(x), seed=cfg["seed"])
-        .batch(2 * BATCH, drop_remainder=True)
-        .repeat()
-        .with_options(options)
-    )
+    train = _harness.sharded_batches(tf, x, y, 2 * BATCH, cfg["seed"])
     with strategy.scope():
         model = _model(keras, cfg["case"], x.shape[1], LR, cfg.get("spe"))
     # The same examples per epoch as the asynchronous rows: each step trains

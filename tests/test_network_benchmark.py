@@ -19,9 +19,17 @@ def test_model_sizes_are_about_1m_and_10m():
     assert 9.5e6 < _network_run.parameters(network.MODELS["10M"]) < 10.5e6
 
 
-def test_net_bytes_reads_this_namespace():
-    rx, tx = _network_run.net_bytes()
-    assert rx >= 0 and tx >= 0
+NET_DEV = """\
+Inter-|   Receive                                                |  Transmit
+ face |bytes    packets errs drop fifo frame compressed multicast|bytes    packets errs drop fifo colls carrier compressed
+    lo: 9000      10    0    0    0     0          0         0     9000      10    0    0    0     0       0          0
+  eth0: 1200       5    0    0    0     0          0         0      700       4    0    0    0     0       0          0
+ veth1:   34       1    0    0    0     0          0         0       56       1    0    0    0     0       0          0
+"""
+
+
+def test_net_bytes_sums_every_interface_but_loopback():
+    assert _network_run.parse_net_dev(NET_DEV) == (1200 + 34, 700 + 56)
 
 
 def test_messages_per_step():
