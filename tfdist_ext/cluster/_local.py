@@ -4,184 +4,36 @@ Public names are re-exported by :mod:`tfdist_ext.cluster`.
 """
 
 import atexit
-import collections
-import contextlib
 import json
 import logging
 import os
-import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 import weakref
 from typing import TYPE_CHECKING
 
 from tfdist_ext.cluster import _netns
+from tfdist_ext.cluster import _network
+from tfdist_ext.cluster import _throttle
+from tfdist_ext.cluster._process import ClusterError
+from tfdist_ext.cluster._process import ClusterTimeoutError
+from tfdist_ext.cluster._process import Task
+from tfdist_ext.cluster._process import free_port  # noqa: F401 - tfdist_ext.cluster's
+from tfdist_ext.cluster._process import ping
+from tfdist_ext.cluster._process import stop_all
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 from tfdist_ext.cluster._tf_config import set_task_env_defaults
 
-HOST = "127.0.0.1"
 _PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-_DEVICE_RE = re.compile(rb"/job:[a-z_]+/replica:\d+/task:\d+/device:[A-Z_]+:\d+")
-_LOG_LINES = 2000
 _PROGRESS_AFTER = 2.0
 #: Running LocalClusters of this process, for strategies to find theirs.
 _RUNNING = weakref.WeakSet()
-#: The kind of cluster network this process uses ("isolated" or "loopback").
-_NETWORK = {"kind": None, "warned": False}
 _logger = logging.getLogger("tfdist_ext")
 
 if TYPE_CHECKING:
     import tensorflow as tf
-
-
-class ClusterError(RuntimeError):
-    """A task of the cluster failed to start, died, or did not answer."""
-
-
-class ClusterTimeoutError(ClusterError, TimeoutError):
-    """A wait on the cluster ran past its deadline."""
-
-
-def free_port():
-    """Returns a TCP port on 127.0.0.1 that is free right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def ping(address, timeout=5.0, wait=False):
-    """Asks the TensorFlow server at ``address`` for its status over gRPC.
-
-    Uses TensorFlow's own ``WorkerService/GetStatus`` call, so a reply means
-    the task's gRPC server is up and serving, not merely that a port is open.
-
-    Returns:
-      The device names the task reports, e.g.
-      ``["/job:worker/replica:0/task:0/device:CPU:0"]``.
-
-    With ``wait``, a task that does not listen yet is waited for until the
-    deadline (a task started at the same moment as its peers, under ``srun``
-    or as a Job's pods); without it, a refused connection fails at once.
-
-    Raises:
-      ClusterTimeoutError: no reply within ``timeout`` seconds.
-
-    Example:
-      >>> with LocalCluster(num_workers=1, num_ps=1) as cluster:  # doctest: +SKIP
-      ...     ping(cluster.address("worker", 0))
-      ['/job:worker/replica:0/task:0/device:CPU:0']
-    """
-    import grpc
-
-    channel = grpc.insecure_channel(address)
-    try:
-        call = channel.unary_unary(
-            "/tensorflow.WorkerService/GetStatus",
-            request_serializer=lambda request: request,
-            response_deserializer=lambda reply: reply,
-        )
-        reply = call(b"", timeout=timeout, wait_for_ready=wait)
-    except grpc.RpcError as e:
-        raise ClusterTimeoutError(
-            f"task at {address} did not answer within {timeout:.1f}s ({e.code().name})"
-        ) from None
-    finally:
-        channel.close()
-    return [d.decode() for d in _DEVICE_RE.findall(reply)]
-
-
-class _Task:
-    """One OS process of the cluster (``tfdist-ext server`` or a user's command);
-    its output is kept in memory, never in a file."""
-
-    def __init__(self, job, index, address):
-        self.job = job
-        self.index = index
-        self.address = address
-        self.process = None
-        self.namespace = None  # fd of its network namespace, when isolated
-        self._lines = collections.deque(maxlen=_LOG_LINES)
-        self._ready = threading.Event()
-
-    @property
-    def name(self):
-        return f"{self.job}:{self.index}"
-
-    def start(self, argv, tf_config, env, spawn):
-        env = dict(env)
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": tf_config, "task": {"type": self.job, "index": self.index}}
-        )
-        self._lines.clear()
-        self._ready.clear()
-        self.process = spawn(
-            self,
-            lambda: subprocess.Popen(
-                argv,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                env=env,
-                start_new_session=True,
-            ),
-        )
-        self._reader = threading.Thread(
-            target=self._read,
-            args=(self.process.stdout,),
-            name=f"tfdist-ext-log-{self.job}-{self.index}",
-            daemon=True,
-        )
-        self._reader.start()
-
-    def drain(self, timeout=5.0):
-        """Waits until the output of the exited process has been read."""
-        self._reader.join(timeout)
-
-    def _read(self, stream):
-        marker = f"READY {self.name} ".encode()
-        with stream:
-            for line in stream:
-                if line.startswith(marker):
-                    self._ready.set()
-                self._lines.append(line.decode(errors="replace").rstrip("\n"))
-
-    def alive(self):
-        return self.process is not None and self.process.poll() is None
-
-    def output(self):
-        return "\n".join(self._lines)
-
-    def log_tail(self, lines=15):
-        return "\n".join(list(self._lines)[-lines:])
-
-    def ready(self):
-        return self._ready.is_set()
-
-    def close_namespace(self):
-        if self.namespace is not None:
-            os.close(self.namespace)
-            self.namespace = None
-
-    def stop(self, sig=signal.SIGTERM, timeout=10.0):
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, sig)
-                # A stopped task (see LocalCluster.throttle) acts on the
-                # signal only once continued.
-                os.killpg(self.process.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout)
 
 
 class LocalCluster:
@@ -292,37 +144,20 @@ class LocalCluster:
         command: list[str] | None = None,
         verbose: int = 1,
     ):
-        for name, value, low in (
-            ("num_workers", num_workers, 1),
-            ("num_ps", num_ps, 0),
-            ("intra_op_threads", intra_op_threads, 0),
-            ("devices_per_worker", devices_per_worker, 1),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"LocalCluster: {name} must be an integer >= {low}, got {value!r}")
-        if inter_op_threads is not None and (
-            not isinstance(inter_op_threads, int) or inter_op_threads < 1
-        ):
-            raise ValueError(
-                "LocalCluster: inter_op_threads must be a positive integer or "
-                f"None, got {inter_op_threads!r}"
-            )
-        if not start_timeout or start_timeout <= 0:
-            raise ValueError(
-                f"LocalCluster: start_timeout must be > 0 seconds, got {start_timeout!r}"
-            )
-        if command is not None and (
-            isinstance(command, str) or not command or not all(isinstance(a, str) for a in command)
-        ):
-            raise ValueError(
-                "LocalCluster: command must be a non-empty list of strings, e.g. "
-                f"[sys.executable, 'train.py'], got {command!r}"
-            )
+        _check_arguments(
+            num_workers,
+            num_ps,
+            intra_op_threads,
+            devices_per_worker,
+            inter_op_threads,
+            start_timeout,
+            command,
+        )
         self.num_workers = num_workers
         self.num_ps = num_ps
         self.start_timeout = float(start_timeout)
         self.bandwidth = None if bandwidth is None else _netns.parse_bandwidth(bandwidth)
-        self._hub = self._choose_network(isolated, self.bandwidth)
+        self._hub, self._why_loopback = _network.choose_hub(isolated, self.bandwidth)
         self.isolated = self._hub is not None
         self.verbose = verbose
         self._inter_op = inter_op_threads or num_workers + 1
@@ -330,9 +165,9 @@ class LocalCluster:
         self._extra_env = dict(env or {})
         self._devices_per_worker = devices_per_worker
         self._command = list(command) if command else None
-        self._spec = self._make_spec(chief, num_workers, num_ps)
+        self._spec = _network.new_spec(self._hub, chief, num_workers, num_ps)
         self._tasks = {
-            (job, i): _Task(job, i, address)
+            (job, i): Task(job, i, address)
             for job in ("worker", "ps")
             for i, address in enumerate(self._spec.get(job, ()))
         }
@@ -343,61 +178,6 @@ class LocalCluster:
             self, _shutdown, self._strategies, list(self._tasks.values()), False, self._spec
         )
         atexit.register(self._finalizer)
-
-    def _choose_network(self, isolated, bandwidth):
-        """The hub to isolate the cluster in, or ``None`` for 127.0.0.1."""
-        self._why_loopback = "isolated=False"
-        if isolated is not None and not isinstance(isolated, bool):
-            raise ValueError(
-                f"LocalCluster: isolated must be None, True or False, got {isolated!r}"
-            )
-        if isolated is False and bandwidth:
-            raise ValueError(
-                "LocalCluster: bandwidth needs an isolated cluster (each task's link "
-                "is rate-limited in its own network namespace); drop isolated=False"
-            )
-        if isolated is None and not bandwidth and _NETWORK["kind"] == "loopback":
-            return None  # the default follows this process's first cluster
-        missing = _netns.missing_requirements()
-        hub = None
-        if not missing and isolated is not False:
-            try:
-                hub = _netns.hub()
-            except (_netns.NetworkError, OSError) as e:
-                missing = [f"a private network namespace, which this system refused: {e}"]
-        if missing and (isolated or bandwidth):
-            wanted = "bandwidth=..." if bandwidth else "isolated=True"
-            raise ClusterError(
-                f"LocalCluster({wanted}) runs each task in its own network namespace, "
-                f"which needs {', '.join(missing)}. Run as root (or grant the "
-                "capabilities), or use LocalCluster(isolated=False) for a cluster on "
-                "127.0.0.1 without link limits (see SECURITY.md)."
-            )
-        kind = "isolated" if hub else "loopback"
-        if missing:
-            self._why_loopback = "; ".join(missing)
-        _check_network_kind(kind)
-        return hub
-
-    def _make_spec(self, chief, num_workers, num_ps):
-        if self.isolated:
-            chief_address = f"{_netns.CHIEF_IP}:{self._hub.free_port()}"
-
-            def task_address():
-                return f"{self._hub.new_address()}:{_netns.TASK_PORT}"
-        else:
-            chief_address = f"{HOST}:{free_port()}"
-
-            def task_address():
-                return f"{HOST}:{free_port()}"
-
-        spec = {}
-        if chief:
-            spec["chief"] = [chief_address]
-        spec["worker"] = [task_address() for _ in range(num_workers)]
-        if num_ps:
-            spec["ps"] = [task_address() for _ in range(num_ps)]
-        return spec
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -423,17 +203,15 @@ class LocalCluster:
         """
         if self._started:
             raise ClusterError("LocalCluster.start: the cluster is already running")
-        kind = "isolated" if self.isolated else "loopback"
-        _check_network_kind(kind)
+        _network.claim_network_kind("isolated" if self.isolated else "loopback")
         self._started = True
-        _NETWORK["kind"] = kind
         _RUNNING.add(self)
         try:
             if self.isolated:
-                _enter_hub(self._hub)
+                _network.enter_hub(self._hub)
                 self._in_hub = True
             else:
-                self._warn_open_ports()
+                _network.warn_open_ports(self._spec, self._why_loopback)
             for task in self._tasks.values():
                 self._start_task(task)
             servers = [t for t in self._tasks.values() if not (self._command and t.job == "worker")]
@@ -457,7 +235,7 @@ class LocalCluster:
         finally:
             if self._in_hub:
                 self._in_hub = False
-                _leave_hub(self._hub)
+                _network.leave_hub(self._hub)
 
     def wait(self, timeout: float) -> dict[str, int]:
         """Waits until every ``worker`` task has exited; returns their exit codes.
@@ -504,7 +282,6 @@ class LocalCluster:
         self._start_task(task)
         self._wait_ready([task], timeout or self.start_timeout)
 
-    @contextlib.contextmanager
     def throttle(self, job: str, index: int, slowdown: float, period: float = 0.02):
         """Slows one task's process ``slowdown`` times, for the ``with`` block.
 
@@ -522,32 +299,14 @@ class LocalCluster:
           >>> with cluster.throttle("worker", 1, slowdown=4):  # doctest: +SKIP
           ...     model.fit(x, y, epochs=5)
         """
-        if not slowdown >= 1.0:
-            raise ValueError(f"LocalCluster.throttle: slowdown must be >= 1, got {slowdown!r}")
-        if not period > 0:
-            raise ValueError(f"LocalCluster.throttle: period must be > 0, got {period!r}")
-        pid = self._task(job, index).process.pid
-        running = period / slowdown
-        cycler = subprocess.Popen(
-            [sys.executable, "-c", _THROTTLE, str(pid), repr(period - running), repr(running)],
-            stdin=subprocess.DEVNULL,
-        )
-        try:
-            yield
-        finally:
-            cycler.terminate()
-            try:
-                cycler.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                cycler.kill()
-                cycler.wait(timeout=5.0)
-            _signal(pid, signal.SIGCONT)
+        return _throttle.throttled(self._task(job, index).process.pid, slowdown, period)
 
     # -- inspection ----------------------------------------------------------
 
     @property
     def cluster_spec(self) -> "tf.train.ClusterSpec":
         """The cluster as a ``tf.train.ClusterSpec``."""
+        # TensorFlow loads only when used: the CLI, launchers and cluster start without it.
         import tensorflow as tf
 
         return tf.train.ClusterSpec(self._spec)
@@ -555,6 +314,7 @@ class LocalCluster:
     @property
     def resolver(self) -> "tf.distribute.cluster_resolver.SimpleClusterResolver":
         """A ``SimpleClusterResolver`` for the chief (this process)."""
+        # TensorFlow loads only when used: the CLI, launchers and cluster start without it.
         import tensorflow as tf
 
         task_type = "chief" if "chief" in self._spec else None
@@ -654,25 +414,11 @@ class LocalCluster:
             "--no-warning",
         ]
 
-    def _warn_open_ports(self):
-        if _NETWORK["warned"]:
-            return
-        _NETWORK["warned"] = True
-        ports = ", ".join(a.rsplit(":", 1)[1] for addrs in self._spec.values() for a in addrs)
-        _logger.warning(
-            "LocalCluster: this cluster's TensorFlow servers listen on ports %s of "
-            "every interface without authentication and run any graph sent to them; "
-            "anyone who can reach this machine can read and write its files. This "
-            "process cannot isolate the cluster (%s). See SECURITY.md.",
-            ports,
-            self._why_loopback,
-        )
-
     def _describe(self):
         tasks = " + ".join(f"{len(self._spec[j])} {j}" for j in ("worker", "ps") if j in self._spec)
         network = "isolated network" if self.isolated else "127.0.0.1"
         if self.bandwidth:
-            network += f", {_format_rate(self.bandwidth)} links"
+            network += f", {_network.format_rate(self.bandwidth)} links"
         return f"{tasks} ({network})"
 
     def _task_env(self):
@@ -729,79 +475,6 @@ class LocalCluster:
             )
 
 
-def _check_network_kind(kind):
-    if _NETWORK["kind"] not in (None, kind):
-        raise ClusterError(
-            f"LocalCluster: this process already ran a cluster with "
-            f"isolated={_NETWORK['kind'] == 'isolated'}; one with "
-            f"isolated={kind == 'isolated'} cannot follow it (the TensorFlow and gRPC "
-            "threads of this process live in the first one's network). Use one kind "
-            "per process: pass the same isolated=... to every LocalCluster, or run "
-            "this one in a new process."
-        )
-
-
-def _format_rate(bits_per_second):
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits_per_second >= scale:
-            return f"{bits_per_second / scale:g}{unit}"
-    return f"{bits_per_second}bit"
-
-
-_HUB_ENTRIES = {"count": 0}
-_HUB_ENTRIES_LOCK = threading.Lock()
-
-
-def _enter_hub(hub):
-    """The calling thread (and the threads it creates from now on: TensorFlow's
-    and gRPC's) joins the isolated clusters' network."""
-    with _HUB_ENTRIES_LOCK:
-        if _HUB_ENTRIES["count"] == 0:
-            hub.enter()
-        _HUB_ENTRIES["count"] += 1
-
-
-def _leave_hub(hub):
-    with _HUB_ENTRIES_LOCK:
-        _HUB_ENTRIES["count"] -= 1
-        if _HUB_ENTRIES["count"] == 0:
-            hub.leave()
-
-
-#: The stop/continue cycle of ``LocalCluster.throttle``, run as
-#: ``python -c _THROTTLE PID STOPPED_SECONDS RUNNING_SECONDS``. It continues
-#: the task and exits on SIGTERM, when the task is gone, or when its parent
-#: (the chief) is.
-_THROTTLE = """
-import os, signal, sys, time
-pid, stopped, running = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-parent = os.getppid()
-def finish(*_):
-    try:
-        os.kill(pid, signal.SIGCONT)
-    except ProcessLookupError:
-        pass
-    sys.exit(0)
-signal.signal(signal.SIGTERM, finish)
-try:
-    while os.getppid() == parent:
-        os.kill(pid, signal.SIGSTOP)
-        time.sleep(stopped)
-        os.kill(pid, signal.SIGCONT)
-        time.sleep(running)
-except ProcessLookupError:
-    pass
-finish()
-"""
-
-
-def _signal(pid, sig):
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
-
-
 def attach_to_local_cluster(cluster_resolver, strategy):
     """Registers ``strategy`` with the running LocalCluster it connects to, if any,
     so that the cluster closes it before stopping. Returns that cluster or ``None``."""
@@ -829,7 +502,7 @@ def _shutdown(strategies, tasks, raise_errors=True, spec=None):
         strategies.clear()
         _disconnect_from(spec)
     finally:
-        _stop_all(tasks)
+        stop_all(tasks)
     if errors and raise_errors:
         raise errors[0]
     for error in errors:
@@ -843,6 +516,7 @@ def _disconnect_from(spec):
     3 s connection timeout per task."""
     if not spec or "tensorflow" not in sys.modules:
         return  # nothing can be connected without TensorFlow loaded
+    # The door (and TensorFlow) loads only when a connection may exist.
     from tfdist_ext import _integration
 
     server_def = _integration.eager_context.get_server_def()
@@ -855,13 +529,36 @@ def _disconnect_from(spec):
         _integration.disconnect_from_cluster()
 
 
-def _stop_all(tasks):
-    for task in tasks:
-        if task.alive():
-            try:
-                os.killpg(task.process.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    for task in tasks:
-        task.stop(sig=signal.SIGKILL, timeout=10.0)
-        task.close_namespace()
+def _check_arguments(
+    num_workers,
+    num_ps,
+    intra_op_threads,
+    devices_per_worker,
+    inter_op_threads,
+    start_timeout,
+    command,
+):
+    for name, value, low in (
+        ("num_workers", num_workers, 1),
+        ("num_ps", num_ps, 0),
+        ("intra_op_threads", intra_op_threads, 0),
+        ("devices_per_worker", devices_per_worker, 1),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"LocalCluster: {name} must be an integer >= {low}, got {value!r}")
+    if inter_op_threads is not None and (
+        not isinstance(inter_op_threads, int) or inter_op_threads < 1
+    ):
+        raise ValueError(
+            "LocalCluster: inter_op_threads must be a positive integer or "
+            f"None, got {inter_op_threads!r}"
+        )
+    if not start_timeout or start_timeout <= 0:
+        raise ValueError(f"LocalCluster: start_timeout must be > 0 seconds, got {start_timeout!r}")
+    if command is not None and (
+        isinstance(command, str) or not command or not all(isinstance(a, str) for a in command)
+    ):
+        raise ValueError(
+            "LocalCluster: command must be a non-empty list of strings, e.g. "
+            f"[sys.executable, 'train.py'], got {command!r}"
+        )
