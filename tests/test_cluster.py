@@ -126,6 +126,35 @@ def test_unreachable_task_fails_within_deadline():
     assert time.monotonic() - start < 8
 
 
+@pytest.mark.timeout(120)
+def test_a_strategy_refuses_a_cluster_spec_naming_a_wrong_or_dead_task():
+    """Two common TF_CONFIG mistakes, refused when the strategy is built (before it
+    connects): a task listed under another role's address, and an address where
+    nothing listens (within the strategy's deadline)."""
+    import tensorflow as tf
+
+    from tfdist_ext import DownpourStrategy
+
+    def resolver(spec):
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec), task_type="chief", task_id=0
+        )
+
+    with LocalCluster(num_workers=1, num_ps=1, verbose=0) as cluster:
+        spec = cluster.cluster_spec.as_dict()
+        swapped = dict(spec, ps=spec["worker"], worker=spec["ps"])
+        wrong = f"names {spec['worker'][0]} as task ps:0, but the server there is /job:worker/"
+        with pytest.raises(ClusterError, match=wrong):
+            DownpourStrategy(resolver(swapped), deadline=5)
+        dead = f"127.0.0.1:{free_port()}"
+        start = time.monotonic()
+        with pytest.raises(
+            ClusterTimeoutError, match=f"task ps:0 at {dead} did not answer within 2s"
+        ):
+            DownpourStrategy(resolver(dict(spec, ps=[dead])), deadline=2)
+        assert time.monotonic() - start < 10
+
+
 @pytest.mark.timeout(60)
 def test_task_that_cannot_start_reports_its_output(monkeypatch):
     monkeypatch.setattr(

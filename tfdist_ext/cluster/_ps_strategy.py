@@ -21,6 +21,7 @@ import tensorflow as tf
 from tfdist_ext import _integration
 from tfdist_ext._stderr import native_log_without
 from tfdist_ext.cluster._local import ClusterError
+from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import attach_to_local_cluster
 from tfdist_ext.cluster._local import ping
 
@@ -80,6 +81,29 @@ def positive_float(owner, name, value):
     return float(value)
 
 
+def _check_tasks(owner, spec, deadline):
+    """Every ``ps`` and ``worker`` task answers within ``deadline`` seconds (it
+    may still be starting), as the job and index the cluster spec names it."""
+    for job in ("ps", "worker"):
+        for index, address in enumerate(spec[job]):
+            try:
+                devices = ping(address, timeout=deadline, wait=True)
+            except ClusterTimeoutError:
+                raise ClusterTimeoutError(
+                    f"{owner}: task {job}:{index} at {address} did not answer within "
+                    f"{deadline:g}s (deadline); check that it runs and that the cluster "
+                    "(TF_CONFIG) names the right host:port"
+                ) from None
+            expected = f"/job:{job}/replica:0/task:{index}/"
+            if devices and not any(d.startswith(expected) for d in devices):
+                actual = devices[0].split("/device:")[0]
+                raise ClusterError(
+                    f"{owner}: the cluster names {address} as task {job}:{index}, but the "
+                    f"server there is {actual}; every task's TF_CONFIG must list the "
+                    "same cluster"
+                )
+
+
 class ParameterServerBase(_PSSV2):
     """``ParameterServerStrategy`` with byte-balanced, sharded placement.
 
@@ -109,9 +133,7 @@ class ParameterServerBase(_PSSV2):
                 f"{owner}: must be created in the coordinating 'chief' process, "
                 f"not in task {cluster_resolver.task_type!r}"
             )
-        for job in ("ps", "worker"):
-            for address in spec[job]:
-                ping(address, timeout=self.deadline, wait=True)
+        _check_tasks(owner, spec, self.deadline)
         num_ps = len(spec["ps"])
         partitioner = None
         if num_ps > 1:
