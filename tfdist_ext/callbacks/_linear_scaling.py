@@ -81,34 +81,19 @@ def correct_momentum(optimizer, previous, counter=None):
 class LinearScalingWarmup(keras.callbacks.Callback):
     """The linear scaling rule with warm-up for an optimizer with a float rate.
 
-    Sets the optimizer's rate before every training step during warm-up to
-    the value of :class:`tfdist_ext.schedules.LinearScaling` (gradual: a line
-    from ``base_learning_rate`` to ``k * base_learning_rate``; constant:
-    ``base_learning_rate``), with ``k = global batch / base_batch_size``; at
-    the end of warm-up it sets ``k * base_learning_rate`` and stops touching
-    the rate, so ``ReduceLROnPlateau``-style callbacks act on it afterwards.
-    If another callback changes the rate during warm-up, its change is kept
-    as a factor on the remaining warm-up values.
-
-    What it reads, at the start of ``fit``:
-
-    * the number of replicas: ``self.model.distribute_strategy.num_replicas_in_sync``;
-    * the global batch: ``batch_size`` if given; else ``per_replica_batch_size``
-      times the number of replicas; else the static batch dimension of
-      ``data`` (a ``tf.data.Dataset`` batched with ``drop_remainder=True``,
-      as passed to ``fit``);
-    * steps per epoch: ``steps_per_epoch`` if given, else ``fit``'s
-      ``params["steps"]``; the number of epochs from ``params["epochs"]``;
-    * the step: ``optimizer.iterations`` (global steps).
-
-    It logs the rate as ``logs["learning_rate"]`` at each epoch end (printed
-    with ``verbose=1``) and keeps it in ``self.history`` (``[(epoch, rate)]``).
+    During warm-up it sets the optimizer's rate before every training step to
+    that of :class:`tfdist_ext.schedules.LinearScaling`, with ``k = global
+    batch / base_batch_size``; at its end it sets ``k * base_learning_rate``
+    and leaves the rate to other callbacks. It logs ``logs["learning_rate"]``
+    and keeps ``self.history`` (``[(epoch, rate)]``). What it reads at the
+    start of ``fit`` is in ``docs/api/guides/large_batch.rst``.
 
     Args:
       base_learning_rate: rate tuned for ``base_batch_size``.
       base_batch_size: reference total batch.
-      batch_size / per_replica_batch_size / data: the source of the global
-        batch (exactly one).
+      batch_size: the global batch (one of the three batch sources).
+      per_replica_batch_size: one replica's batch, times the replica count.
+      data: a ``tf.data.Dataset`` with a static batch size; give exactly one.
       warmup_epochs: warm-up length in epochs (> 0).
       warmup: ``"gradual"`` or ``"constant"``.
       steps_per_epoch: optional override of ``fit``'s step count.
@@ -117,10 +102,8 @@ class LinearScalingWarmup(keras.callbacks.Callback):
       verbose: 1 prints the rate at each epoch end.
 
     Raises:
-      ValueError: at construction, for bad numbers, none or several batch
-        sources, or ``data`` without a static batch size; at the start of
-        ``fit``, for a warm-up longer than training, an optimizer whose rate
-        is a schedule, or unknown steps per epoch.
+      ValueError: a bad argument or batch source; at the start of ``fit``, a
+        warm-up longer than training, a scheduled rate or unknown steps.
 
     Example:
       >>> import keras, numpy as np

@@ -39,86 +39,33 @@ if TYPE_CHECKING:
 class LocalCluster:
     """A real TensorFlow cluster on this machine, one OS process per task.
 
-    Each ``worker`` and ``ps`` task runs ``tf.distribute.Server`` (gRPC) in its
-    own process. The ``chief`` task is the calling process: its address is
-    reserved in the cluster spec and is taken up by whatever connects to the
-    cluster from here (for example a ``DownpourStrategy`` built on
-    :attr:`resolver`).
-
-    **Network.** TensorFlow's servers accept anyone who can connect and run
-    any graph they are sent (see SECURITY.md). Where the OS allows it (root or
-    the ``CAP_NET_ADMIN`` and ``CAP_SYS_ADMIN`` capabilities, and the ``ip``
-    and ``tc`` commands), the cluster is *isolated*: each task runs in its own
-    new network namespace, linked by a virtual Ethernet pair to a bridge in a
-    private "hub" namespace of this process, with addresses ``10.213.x.y``;
-    the thread that calls :meth:`start` (and every thread it creates) enters
-    the hub until :meth:`stop`, so the chief's own server does not listen in
-    the host's namespace either. No port of the cluster is reachable from the
-    host's network, and the namespaces disappear with their processes, even
-    after a ``kill -9``. Otherwise the tasks listen on 127.0.0.1 and the
-    cluster logs one warning per process naming the open ports. A process
-    uses one kind of cluster network, chosen by its first cluster (TensorFlow's
-    and gRPC's threads stay in the network they were created in): with
-    ``isolated=None`` later clusters follow it, and an explicit other choice is
-    refused. Use the cluster from the thread that started it (its network is
-    that thread's).
-
-    ``bandwidth`` limits each task's link, both directions, with a ``tc``
-    token bucket: a slow network on one machine, where the methods of this
-    package pay off.
-
-    Startup waits, with a deadline, until every task has answered a gRPC
-    status request. Every process is stopped on exit, also when the body
-    raises; a task whose parent dies exits by itself within a second.
-
-    A strategy built on :attr:`resolver` (``DownpourStrategy``,
-    ``SandblasterStrategy``) registers with the cluster; when the cluster
-    stops, it first closes each of them (``strategy.close()``): their threads
-    stop, the final parameters of their models come back to this process,
-    and this process disconnects. After the block, the models work as plain
-    single-process Keras models (``get_weights``, ``evaluate``, ``predict``,
-    ``save``), and the script ends by itself without RPC errors.
+    Each ``worker`` and ``ps`` task runs a ``tf.distribute.Server`` in its own
+    process; the ``chief`` is the calling process. Where the OS allows it, the
+    tasks run in private network namespaces that the host's network cannot
+    reach (``isolated``), else on 127.0.0.1 with a warning. Stopping closes the
+    strategies built on :attr:`resolver`, whose models stay usable as plain
+    Keras models. Details: ``docs/api/guides/multi_worker.rst``.
 
     Args:
       num_workers: number of ``worker`` tasks (>= 1).
       num_ps: number of ``ps`` tasks (>= 0).
       chief: reserve a ``chief`` entry for the calling process.
       intra_op_threads: threads one op may use in each task (0: TF default).
-      inter_op_threads: ops each task runs at once; default ``num_workers + 1``
-        (TensorFlow's parameter-server tutorial sizing: with the default pool a
-        loopback cluster on a small machine can stall).
+      inter_op_threads: ops each task runs at once; default ``num_workers + 1``.
       start_timeout: seconds to wait for all tasks to answer.
-      env: extra environment variables for the task processes. Unless set
-        here or in this process, a task gets ``TF_CPP_MIN_LOG_LEVEL=2`` and
-        ``TF_CPU_ALLOCATOR_USE_BFC=true`` (TensorFlow's pooling allocator
-        on the CPU: large tensors without a page fault per 4 KB; pass
-        ``"false"`` for the default allocator).
-      devices_per_worker: CPU devices each ``worker`` task exposes
-        (``/device:CPU:0`` ... ``CPU:k-1``), for model parallelism inside a
-        replica.
-      bandwidth: rate limit of each task's link, e.g. ``"100mbit"``,
-        ``"1gbit"``, ``"500kbit"`` or an int in bits/s; implies ``isolated``.
-        The rate counts whole Ethernet frames: TCP payload gets about 95% of it.
-      isolated: ``None`` (default): isolate when the OS allows it, else run on
-        127.0.0.1 with a warning; ``True``: isolate or raise at construction;
-        ``False``: run on 127.0.0.1.
-      command: run this command (a list, e.g. ``[sys.executable, "train.py"]``)
-        as each ``worker`` task instead of a TensorFlow server, with its
-        ``TF_CONFIG`` set: an SPMD program such as a ``MultiWorkerMirroredStrategy``
-        script. :meth:`start` does not wait for such tasks; :meth:`wait`
-        collects their exit codes and :meth:`output` their output.
-      verbose: 1 (default): one line on standard error when the start takes
-        more than 2 seconds, and one when it is done; 0: silent.
-
-    Attributes:
-      isolated: whether the cluster runs in its own network namespaces.
-      bandwidth: the rate limit of each task's link in bits/s, or ``None``.
+      env: extra environment variables for the task processes.
+      devices_per_worker: CPU devices each ``worker`` task exposes.
+      bandwidth: rate limit of each task's link, e.g. ``"100mbit"`` or an int
+        in bits/s (the ``bandwidth`` attribute); implies ``isolated``.
+      isolated: ``None``: isolate when the OS allows it; ``True``: isolate or
+        raise; ``False``: run on 127.0.0.1. The attribute tells the outcome.
+      command: run this command (a list) as each ``worker`` task instead of a
+        server, with its ``TF_CONFIG``; see :meth:`wait` and :meth:`output`.
+      verbose: 1: report a slow start on standard error; 0: silent.
 
     Raises:
       ValueError: a bad argument, e.g. ``bandwidth="fast"``.
-      ClusterError: ``isolated=True`` or ``bandwidth`` without what isolation
-        needs (the message says what is missing), or a process that already
-        used the other kind of cluster network.
+      ClusterError: isolation is required but this process cannot have it.
 
     Example:
       >>> from tfdist_ext.cluster import LocalCluster
@@ -512,8 +459,8 @@ def _shutdown(strategies, tasks, raise_errors=True, spec=None):
 def _disconnect_from(spec):
     """Makes this process's eager runtime local again if ``connect`` joined it
     to the cluster of ``spec``. Otherwise, once the tasks have stopped,
-    TensorFlow tries to delete its functions on them at exit: an error and a
-    3 s connection timeout per task."""
+    TensorFlow tries to delete its functions on them at exit: an error, and a
+    wait for a connection timeout, per task."""
     if not spec or "tensorflow" not in sys.modules:
         return  # nothing can be connected without TensorFlow loaded
     # The door (and TensorFlow) loads only when a connection may exist.

@@ -16,11 +16,11 @@ from tfdist_ext.compression._base import check_ratio
 register = keras.saving.register_keras_serializable(package="tfdist_ext")
 
 # Above this many elements, top-k selection estimates its threshold from a
-# random sample (as DGC does) instead of a full sort: from about this size on
-# it is the faster of the two (one thread: 0.83 against 0.71 ms at 262k
-# entries and density 0.1%, 1.2 against 2.6 ms at 1M, 9.3 against 28 ms at
-# 10M; benchmarks/NOTES.md). The sample is at least SAMPLE_FRACTION of the
-# tensor and large enough to hold about SAMPLE_HITS entries of the top k.
+# random sample (as DGC does) instead of an exact top_k, which costs more on
+# tensors this large; below it the exact selection is about as fast and never
+# falls short of k (timings: benchmarks/NOTES.md). The sample is at least
+# SAMPLE_FRACTION of the tensor and large enough to hold about SAMPLE_HITS
+# entries of the top k.
 EXACT_TOPK_LIMIT = 1 << 18
 SAMPLE_FRACTION = 0.01
 SAMPLE_HITS = 64
@@ -38,10 +38,9 @@ def _sparse_aggregate(wires, shape, dtype):
     """The dense sum of sparse wires (values + indices): one ``scatter_nd``.
 
     ``scatter_nd`` adds the values of repeated indices, so every sender's
-    entries are summed where they coincide; on CPU it is several times
-    faster than ``unsorted_segment_sum`` for a sparse wire into a large
-    tensor (10M entries, two senders, one thread: 2.3 ms against 19.2 ms;
-    benchmarks/NOTES.md).
+    entries are summed where they coincide; it is used rather than
+    ``unsorted_segment_sum``, which is much slower on CPU for a sparse wire
+    into a large tensor (benchmarks/NOTES.md).
     """
     n = _num(shape)
     indices = tf.concat([w["indices"] for w in wires], 0)
@@ -604,35 +603,14 @@ class PowerSGD(Compressor):
 class DGC(Compressor):
     """Deep Gradient Compression (Lin et al., ICLR 2018).
 
-    Per sender and tensor: local gradient clipping (``clip_norm``), momentum
-    correction (the momentum ``u`` and the accumulated velocity ``v`` live on
-    the sender: ``u = momentum * u + g``, ``v = v + u``), top-k selection of
-    ``v`` with DGC's sampled threshold on large tensors, momentum factor
-    masking (``u`` and ``v`` are zeroed where sent) and an exponential warm-up
-    of the density: ``0.25 ** (epoch + 1)`` during the first
-    ``warmup_epochs`` epochs (75%, 93.75%, 98.4%, 99.6% sparse), then
-    ``1 - sparsity``. Wire: float32 values + int32 indices.
-
-    With momentum correction the momentum lives here, so pair it with a
-    plain (momentum-free) SGD optimizer: the compressed strategies refuse an
-    optimizer with momentum of its own (``SGD(momentum=...)``, Nesterov,
-    ``RMSprop(momentum=...)``, Adam's ``beta_1``) when it is built, since it
-    would apply momentum twice. With ``momentum_correction=False`` the sender
-    only accumulates gradients (Gradient Dropping) and the optimizer keeps
-    its own momentum.
-
-    Where the warm-up's epochs end: after ``steps_per_epoch`` optimizer steps
-    when it is given; otherwise ``model.fit`` under a compressed strategy
-    tells the compressor which epoch it is in (``compress(..., epoch=...)``),
-    so ``DGC()`` with its defaults just works in ``fit``. Outside ``fit``
-    (a custom loop, a parameter-server push) give ``steps_per_epoch``.
-
-    Tensors with fewer than ``min_size`` elements (biases, BN parameters,
-    small layers) are not sparsified, as in the paper's reference
-    implementation: they are sent dense (float32), with plain momentum
-    ``u = momentum * u + g`` when momentum correction is on (so they follow
-    momentum SGD exactly) and the raw gradient otherwise. Their bytes count
-    in the measured ratio.
+    Per sender and tensor: local gradient clipping, momentum correction (the
+    momentum and the accumulated velocity live on the sender), top-k selection
+    with DGC's sampled threshold on large tensors, momentum factor masking and
+    an exponential warm-up of the density. Wire: float32 values + int32
+    indices. Pair it with a plain (momentum-free) SGD optimizer: the compressed
+    strategies refuse an optimizer with momentum of its own. The guide
+    (``docs/api/guides/compression.rst``) has the update, the warm-up and what
+    is sent dense.
 
     Args:
       sparsity: final fraction of entries *not* sent, in [0, 1).
@@ -640,8 +618,9 @@ class DGC(Compressor):
       clip_norm: local L2 clipping threshold per tensor, or None.
       warmup_epochs: epochs of exponential sparsity warm-up (0: none).
       steps_per_epoch: optimizer steps per epoch for the warm-up; None: follow
-        ``model.fit``'s epochs (see above).
-      momentum_correction: accumulate momentum (True) or raw gradients.
+        ``model.fit``'s epochs (outside ``fit``, give it).
+      momentum_correction: accumulate momentum (True) or raw gradients
+        (False: Gradient Dropping; the optimizer keeps its own momentum).
       min_size: tensors with fewer elements are sent dense (0: sparsify all).
 
     Example:

@@ -111,33 +111,11 @@ class DelayCompensation(StalenessPolicy):
     where ``g`` is the pushed gradient (the sum of the push's ``n_push`` local
     gradients, as pushed), ``w_now`` the parameters when the ``ps`` applies it
     and ``w_fetched`` those the replica computed ``g`` from. The optimizer is
-    then applied to ``g_corrected`` as usual.
-
-    Where ``w_fetched`` lives: as in the paper, on the ``ps`` tasks, backup
-    copies of each parameter per worker, next to the parameter on the ``ps``
-    task that owns it. A fetch first copies the parameter into one of the
-    fetching worker's backups (on the ``ps``) and the worker reads that
-    copy, so the backup is exactly what the worker computes from. Each
-    worker has two backup slots, used alternately by its fetches (the
-    round's fetch count mod 2): Downpour's round pushes a block's gradient
-    while the next block computes and prefetches the next parameters after
-    that push, so fetch ``k + 1`` happens before the push computed from
-    fetch ``k`` is applied (never fetch ``k + 2``); the push names its
-    fetch's slot. Cost: ``2 * num_workers`` extra copies of the model in the
-    ``ps`` tasks' memory (``2 * num_workers * 4 * num_params`` bytes for
-    float32), no extra network bytes (the alternative, sending ``w_fetched``
-    with each push, would double the push bytes), and per push two reads and
-    a few elementwise ops per parameter on the ``ps``. With ``n_push``
-    larger than ``n_fetch`` a push sums gradients computed from several
-    fetches; ``w_fetched`` is the latest of them, the one
-    ``stats.staleness`` is measured from.
-
-    Not with ``compression`` (an error-feedback push carries residuals of
-    gradients computed from older parameters, so it has no ``w_fetched``),
-    nor with a model that overrides ``train_step`` (it reads the server's
-    variables itself: there is no fetch to back up), nor with weights split
-    across ``ps`` tasks (raise ``min_shard_bytes``); each is refused with a
-    message.
+    then applied to ``g_corrected`` as usual. As in the paper, ``w_fetched``
+    is kept on the ``ps`` tasks (two backup copies of the model per worker, no
+    extra network bytes). It is refused with ``compression``, a model that
+    overrides ``train_step`` and weights split across ``ps`` tasks. The guide
+    (``docs/api/guides/downpour.rst``) covers the backups and their cost.
 
     Args:
       lam: the variance-control parameter ``lambda`` of the paper (finite,

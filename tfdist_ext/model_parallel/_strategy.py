@@ -220,60 +220,24 @@ class ModelParallelStrategy(distribute_lib.Strategy):
     """Model parallelism: one model's layers partitioned over several devices.
 
     Under ``strategy.scope()`` build and compile a Keras model as usual. The
-    strategy partitions its top-level layers (a subclassed model's sub-layers)
-    into contiguous stages, one per device, creates each layer's variables on
-    its stage's device and wraps its computation in ``tf.device``; only
-    activations cross stage boundaries. ``fit``, ``evaluate``, ``predict`` and
-    save/load work as usual. With ``microbatches > 1`` each training batch is
-    split into micro-batches that flow through the stages GPipe-style, so
-    devices work at the same time; the gradients equal the unpipelined step's
-    (``fit`` refuses at once a model whose step micro-batches would change:
-    a trainable ``BatchNormalization``, which normalizes with the statistics
-    of the batch it sees).
-
-    Where variables are created: with an explicit ``partition``, on their
-    layer's device; with ``device_budget_bytes``, the devices fill in order as
-    the layers are created (a model larger than one device builds; the plan
-    keeps the layers where they were created, ``plan.partition == "filled"``);
-    a model Keras builds inside ``fit`` (no ``Input``) is planned before its
-    variables exist. A ``"balanced"`` plan without a budget needs the sizes of
-    all layers, so a model built in the scope with an ``Input`` is created on
-    the first device and moved once when ``fit`` (or ``place``) places it: give
-    a budget or a partition when the model does not fit on one device.
+    strategy cuts its top-level layers into contiguous stages, one per device,
+    and creates each layer's variables and runs its computation on its stage's
+    device; only activations cross stage boundaries. With ``microbatches > 1``
+    micro-batches flow through the stages GPipe-style, with the gradients of
+    the unpipelined step. ``fit``, ``evaluate``, ``predict`` and save/load work
+    as usual. The guide (``docs/api/guides/model_parallel.rst``) covers where
+    variables are created, which models can be pipelined and what is refused.
 
     Args:
       devices: device names in pipeline order (e.g. ``logical_cpus(2)``).
       partition: ``"balanced"`` (contiguous stages balancing ``balance_by``,
-        then fewest boundary activation bytes) or an explicit
-        ``{layer name: device}`` map (parameter-free layers may be omitted and
-        follow the previous layer).
-      microbatches: micro-batches per training step (>= 1). ``Sequential`` and
-        functional models (branches, skip connections and several inputs or
-        outputs, and shared layers called at several places included: stages
-        are cut on a topological order of the layer graph) are pipelined. A
-        trainable ``BatchNormalization`` layer cannot be (``fit`` refuses it at
-        once: use ``microbatches=1`` or ``LayerNormalization``/
-        ``GroupNormalization``). A subclassed model with its own ``call`` cannot
-        be cut into stages: ``fit`` refuses it at once (train it with
-        ``microbatches=1``; ``evaluate``/``predict`` work either way). A model
-        that overrides ``train_step`` has its own step run as written, on
-        whole batches, with a warning (its gradients still on their stages).
+        then fewest boundary activation bytes) or a ``{layer name: device}`` map.
+      microbatches: micro-batches per training step (>= 1; 1: no pipelining).
       balance_by: ``"params"`` or ``"flops"`` (see :func:`plan_partition`).
       device_budget_bytes: optional per-device parameter budget (bytes); the
-        devices fill in order as layers are created. A ``Dense`` layer over it
-        is split column-wise over as many devices as needed (see
-        ``split_large_layers``; it is created whole, then split when the model
-        is placed); any other layer over it, or a plan over it, raises
-        ``ValueError`` when the model is placed (before the first step).
-      split_large_layers: with a budget, replace a ``Dense`` layer whose
-        parameters exceed it by a :class:`ColumnParallelDense` with the same
-        weights, one column shard per device, variables and matmuls on the
-        shards' devices (``strategy.plan.splits`` reports it; the model must be
-        ``Sequential``). ``False``: such a layer raises ``ValueError``.
-
-    Build the model inside ``scope()`` (or call ``fit`` inside it): Keras runs
-    the steps of a model built outside with the strategy of the scope ``fit``
-    is called in, and ``fit`` refuses such a model compiled in this scope.
+        devices fill in order as layers are created.
+      split_large_layers: with a budget, replace a ``Dense`` over it by a
+        :class:`ColumnParallelDense` over several devices (``False``: raise).
 
     Attributes:
       plan: the :class:`Plan` of the most recently placed model (``None``

@@ -12,49 +12,32 @@ from keras import ops
 class LARS(keras.optimizers.Optimizer):
     """SGD with momentum and a layer-wise trust ratio (LARS; You, Gitman and Ginsburg, 2017).
 
-    The paper's Algorithm 1 (also the update of the common TensorFlow/NVIDIA
-    implementations with "classic" momentum). For each variable ``w`` with
-    gradient ``g``, global rate ``lr`` (a float or a schedule, e.g.
-    ``tfdist_ext.schedules.LinearScaling``) and weight decay ``beta``::
+    The paper's Algorithm 1. For each variable ``w`` with gradient ``g``,
+    global rate ``lr`` (a float or a schedule) and weight decay ``beta``::
 
         local_lr = eta * ||w|| / (||g|| + beta * ||w|| + epsilon)   (1 if ||w|| or ||g|| is 0)
         v <- momentum * v + lr * local_lr * (g + beta * w)
         w <- w - v
 
-    The weight decay is added to the gradient (it is part of the step the
-    trust ratio scales, and of the momentum), not decoupled as Keras's
-    ``weight_decay`` is in its other optimizers. Momentum acts on the scaled
-    update, so the velocity holds the rate (like ``keras.optimizers.SGD``).
-
-    Exclusions. A variable excluded from layer adaptation gets ``local_lr = 1``
-    (plain momentum SGD at rate ``lr``); one excluded from weight decay gets
-    ``beta = 0`` (also in the trust ratio). By default (``exclude_vectors``)
-    every variable of rank <= 1 (biases, batch-norm gamma and beta) is
-    excluded from both, as in the paper's experiments. Name patterns are
-    regular expressions searched (``re.search``) in the name Keras's
-    ``exclude_from_weight_decay`` sees: with TensorFlow, the variable's full
-    name, e.g. ``"sequential/dense/bias:0"``, so ``"bias"`` or a layer's name
-    match. The constructor's ``exclude_from_weight_decay`` is passed to that
-    Keras method, and a later call of it (with ``var_list`` or ``var_names``)
-    is honoured too.
-    ``exclude_from_layer_adaptation=None`` means the same patterns as
-    ``exclude_from_weight_decay``.
+    By default, variables of rank <= 1 (biases, batch-norm gamma and beta) get
+    neither the trust ratio nor the decay. The guide
+    (``docs/api/guides/large_batch.rst``) covers the exclusions.
 
     Args:
       learning_rate: global rate (float >= 0), a
         ``keras.optimizers.schedules.LearningRateSchedule`` or a callable.
       momentum: in ``[0, 1)``; 0 keeps no velocity.
-      weight_decay: ``beta`` (>= 0; ``None`` means 0).
+      weight_decay: ``beta`` (>= 0; ``None`` means 0), added to the gradient.
       eta: trust coefficient (>= 0), the paper's ``eta``.
       epsilon: added to the trust ratio's denominator (>= 0).
-      exclude_from_weight_decay: name patterns (strings) of variables without
-        weight decay.
+      exclude_from_weight_decay: name patterns (regular expressions) of
+        variables without weight decay.
       exclude_from_layer_adaptation: name patterns of variables without the
         trust ratio; ``None``: ``exclude_from_weight_decay``.
       exclude_vectors: exclude every variable of rank <= 1 from both.
-      **kwargs: Keras's common optimizer arguments (``clipnorm``,
-        ``global_clipnorm``, ``use_ema``, ``loss_scale_factor``,
-        ``gradient_accumulation_steps``, ``name``...).
+      name: the optimizer's name.
+      **kwargs: Keras's common optimizer arguments (``clipnorm``, ``use_ema``,
+        ``loss_scale_factor``, ``gradient_accumulation_steps``...).
 
     Example:
       >>> import keras, tfdist_ext

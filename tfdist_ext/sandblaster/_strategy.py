@@ -17,44 +17,25 @@ from tfdist_ext.sandblaster._vectors import ShardedVectors
 class SandblasterStrategy(ParameterServerBase):
     """Sandblaster L-BFGS (Dean et al., 2012) as a ``tf.distribute`` strategy.
 
-    A coordinator (this ``chief`` process) runs L-BFGS; the parameters and
-    the L-BFGS state (accepted point, gradient, direction, the ``memory``
-    pairs s/y) live on the ``ps`` tasks, split like the parameters, and the
-    vector algebra -- dot products, axpy, the two-loop recursion -- runs on
-    the shard that owns each piece: only scalars reach the coordinator
-    during an iteration. Each function evaluation is a pass over the whole
-    training set, split into ``slices_per_worker`` slices per worker; free
-    workers take the next slice, so faster ones do more; near the end of a
-    pass idle workers run backup copies of slices still running, and the
-    first copy to finish counts (exactly once). A killed worker only slows
-    the pass. A NaN/Inf loss or gradient stops ``fit`` with an error naming
-    the iteration; the model keeps the last good parameters.
-
-    Build and compile under ``scope()`` with ``tfdist_ext.optimizers.LBFGS``,
-    then ``fit`` on in-memory data (arrays, or a finite ``tf.data``
-    dataset, which is read once): each ``fit`` step is one L-BFGS iteration
-    (``steps_per_epoch`` per epoch, default 1); ``evaluate``, ``predict``,
-    ``save`` work as usual. Logs and ``History`` carry ``loss`` and the
-    compiled metrics over the training set, plus ``grad_max``,
-    ``step_size``, ``function_evals``, ``coordinator_bytes``,
-    ``backup_slices``, ``wasted_slices`` and ``converged``.
-
-    The objective is the model's loss as Keras computes it: the compiled
-    loss plus regularisation, or the model's ``compute_loss`` override. A
-    model that overrides ``train_step`` is refused when ``fit`` starts: L-BFGS
-    minimises the loss over the whole training set and has no per-batch step
-    to run it in.
+    A coordinator (this ``chief`` process) runs L-BFGS; the parameters and the
+    L-BFGS state live on the ``ps`` tasks, which do the vector algebra on the
+    shard that owns each piece, so only scalars reach the coordinator. Each
+    function evaluation is one pass over the whole training set, in slices
+    that free workers take in turn, with backup copies of the last slices on
+    idle workers. Build and compile under ``scope()`` with
+    ``tfdist_ext.optimizers.LBFGS``, then ``fit`` on in-memory data: each
+    ``fit`` step is one L-BFGS iteration. The guide
+    (``docs/api/guides/sandblaster.rst``) covers the logs, faults and what
+    ``fit`` refuses.
 
     Args:
-      cluster_resolver: resolver of a cluster with ``chief`` (this process),
-        ``worker`` and ``ps`` jobs, e.g. ``LocalCluster(...).resolver``.
+      cluster_resolver: a cluster with ``chief`` (this process), ``worker``
+        and ``ps`` jobs, e.g. ``LocalCluster(...).resolver``.
       slices_per_worker: slices per worker in each pass.
       backup_tasks: run backup copies of unfinished slices on idle workers.
       max_copies: copies of one slice that may run at once (with backups).
-      min_shard_bytes: variables at least this large are split across the
-        ``ps`` tasks.
-      deadline: seconds a pass may go without any slice finishing before
-        it fails (a stuck worker with backups off, or a dead cluster).
+      min_shard_bytes: variables at least this large are split across ``ps`` tasks.
+      deadline: seconds a pass may go without any slice finishing before it fails.
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP

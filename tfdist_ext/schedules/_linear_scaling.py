@@ -14,20 +14,15 @@ from tfdist_ext.schedules import _validate
 class LinearScaling(keras.optimizers.schedules.LearningRateSchedule):
     """The linear scaling rule with warm-up of Goyal et al. (2017), as a schedule.
 
-    With a total (global) batch ``batch_size`` that is ``k = batch_size /
-    base_batch_size`` times the reference batch, the rate after warm-up is
-    ``k * after(step)`` (or ``k * base_learning_rate`` without ``after``). During
-    the first ``warmup_epochs * steps_per_epoch`` steps the rate is
+    The rate after warm-up is ``k * after(step)`` (or ``k * base_learning_rate``
+    without ``after``), with ``k = batch_size / base_batch_size``. During the
+    first ``warmup_epochs * steps_per_epoch`` steps it is
 
     * ``"gradual"``: a straight line from ``base_learning_rate`` at step 0 to
       the scaled rate at the end of warm-up (the paper's recipe, Sec. 2.2);
     * ``"constant"``: ``base_learning_rate`` (the paper's constant warm-up).
 
-    ``warmup_epochs=0`` is linear scaling without warm-up. The step is the
-    optimizer's ``iterations`` (global steps, one per global batch, whatever
-    the number of replicas). The schedule is a Keras ``LearningRateSchedule``:
-    it serialises with the optimizer, so ``model.save`` / ``keras.saving.load_model``
-    restore it (also with a nested ``after`` schedule).
+    The guide (``docs/api/guides/large_batch.rst``) says what a step is and how it saves.
 
     Args:
       base_learning_rate: the rate ``eta`` tuned for ``base_batch_size``.
