@@ -18,7 +18,7 @@ import tensorflow as tf
 
 import tfdist_ext
 from tfdist_ext import compression as C
-from tfdist_ext.cluster._ps_strategy import ParameterServerBase
+from tfdist_ext._ps_strategy import ParameterServerBase
 from tfdist_ext.downpour import DelayCompensation
 from tfdist_ext.downpour import DownpourStrategy
 from tfdist_ext.downpour import ElasticAveragingStrategy

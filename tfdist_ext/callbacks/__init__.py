@@ -7,8 +7,8 @@ Example:
 
 from tfdist_ext.callbacks._compression import CompressedBackupAndRestore
 from tfdist_ext.callbacks._compression import CompressionLogger
-from tfdist_ext.callbacks._linear_scaling import LinearScalingWarmup
-from tfdist_ext.callbacks._linear_scaling import MomentumCorrection
+from tfdist_ext.callbacks._warmup import LinearScalingWarmup
+from tfdist_ext.callbacks._warmup import MomentumCorrection
 
 __all__ = [
     "CompressedBackupAndRestore",

@@ -7,8 +7,8 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
-from tfdist_ext.cluster._ps_strategy import positive_int
-from tfdist_ext.cluster._ps_strategy import split_paths
+from tfdist_ext._ps_strategy import positive_int
+from tfdist_ext._ps_strategy import split_paths
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour._strategy import DownpourStrategy
 

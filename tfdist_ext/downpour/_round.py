@@ -52,7 +52,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
-from tfdist_ext.cluster._ps_strategy import split_paths
+from tfdist_ext._ps_strategy import split_paths
 from tfdist_ext.downpour import _staleness
 from tfdist_ext.model_parallel import apply_plan
 from tfdist_ext.model_parallel import plan_partition

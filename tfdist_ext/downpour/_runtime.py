@@ -11,7 +11,7 @@ import weakref
 import tensorflow as tf
 
 from tfdist_ext import _integration
-from tfdist_ext.cluster._ps_strategy import components
+from tfdist_ext._ps_strategy import components
 from tfdist_ext.downpour import _round
 
 

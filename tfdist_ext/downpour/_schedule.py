@@ -28,10 +28,10 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext._ps_strategy import check_compiled_for_workers
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import ping
-from tfdist_ext.cluster._ps_strategy import check_compiled_for_workers
 from tfdist_ext.downpour import _round
 
 # Steps per scheduled round when the model's ``steps_per_execution`` is 1.

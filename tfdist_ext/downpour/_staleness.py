@@ -25,8 +25,8 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext._ps_strategy import split_paths
 from tfdist_ext.cluster._local import ClusterTimeoutError
-from tfdist_ext.cluster._ps_strategy import split_paths
 
 _SSP_TIMEOUT = "DownpourStrategy max_staleness:"
 

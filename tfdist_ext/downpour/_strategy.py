@@ -7,8 +7,8 @@ import tensorflow as tf
 
 from tfdist_ext import _integration
 from tfdist_ext import compression as compression_lib
-from tfdist_ext.cluster._ps_strategy import ParameterServerBase
-from tfdist_ext.cluster._ps_strategy import positive_int
+from tfdist_ext._ps_strategy import ParameterServerBase
+from tfdist_ext._ps_strategy import positive_int
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour import _schedule
 from tfdist_ext.downpour import _staleness

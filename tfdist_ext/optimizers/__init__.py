@@ -7,6 +7,6 @@ Example:
 """
 
 from tfdist_ext.optimizers._lars import LARS
-from tfdist_ext.sandblaster._optimizer import LBFGS
+from tfdist_ext.optimizers._lbfgs import LBFGS
 
 __all__ = ["LARS", "LBFGS"]

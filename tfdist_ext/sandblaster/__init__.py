@@ -15,10 +15,10 @@ Example:
   ...     model.fit(x, y, epochs=50)
 """
 
+from tfdist_ext.optimizers._lbfgs import LBFGS
 from tfdist_ext.sandblaster._engine import PassReport
 from tfdist_ext.sandblaster._lbfgs import OptimizeResult
 from tfdist_ext.sandblaster._minimize import minimize
-from tfdist_ext.sandblaster._optimizer import LBFGS
 from tfdist_ext.sandblaster._strategy import SandblasterStrategy
 
 __all__ = ["LBFGS", "OptimizeResult", "PassReport", "SandblasterStrategy", "minimize"]

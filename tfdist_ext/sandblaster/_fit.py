@@ -19,9 +19,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist_ext import _integration
-from tfdist_ext.cluster._ps_strategy import check_compiled_for_workers
+from tfdist_ext._ps_strategy import check_compiled_for_workers
+from tfdist_ext.optimizers._lbfgs import LBFGS
 from tfdist_ext.sandblaster._lbfgs import LBFGSRun
-from tfdist_ext.sandblaster._optimizer import LBFGS
 
 
 def sandblaster_fit(model, strategy, keras_fit, args, kwargs):

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from tfdist_ext.optimizers._lbfgs import LBFGS
 from tfdist_ext.sandblaster._fit import read_dataset
 from tfdist_ext.sandblaster._lbfgs import LBFGSRun
 from tfdist_ext.sandblaster._lbfgs import OptimizeResult
-from tfdist_ext.sandblaster._optimizer import LBFGS
 
 
 def minimize(

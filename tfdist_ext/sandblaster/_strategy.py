@@ -6,9 +6,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist_ext import _integration
-from tfdist_ext.cluster._ps_strategy import ParameterServerBase
-from tfdist_ext.cluster._ps_strategy import components
-from tfdist_ext.cluster._ps_strategy import positive_int
+from tfdist_ext._ps_strategy import ParameterServerBase
+from tfdist_ext._ps_strategy import components
+from tfdist_ext._ps_strategy import positive_int
 from tfdist_ext.sandblaster import _fit
 from tfdist_ext.sandblaster._engine import Evaluator
 from tfdist_ext.sandblaster._vectors import ShardedVectors
