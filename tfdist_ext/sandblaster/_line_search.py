@@ -70,43 +70,85 @@ def strong_wolfe(phi, f0, g0, step, *, c1=1e-4, c2=0.9, max_evaluations=20, max_
         raise ValueError(f"line search needs 0 < c1 < c2 < 1, got c1={c1}, c2={c2}")
     if not g0 < 0.0:
         raise ValueError(f"line search needs a descent direction, got phi'(0) = {g0}")
-    evaluations = 0
-    prev, f_prev, g_prev = 0.0, f0, g0
-    step = min(step, max_step)
+    search = _StrongWolfeSearch(phi, f0, g0, c1, c2, max_evaluations)
+    return search.bracket(min(step, max_step), max_step)
 
-    def zoom(lo, f_lo, g_lo, hi, f_hi, g_hi):
-        nonlocal evaluations
-        while evaluations < max_evaluations:
+
+class _StrongWolfeSearch:
+    """One line search: what its bracketing and zoom phases share.
+
+    Both phases test their trial points against the same ``f0``, ``g0``,
+    ``c1`` and ``c2`` and draw on one budget of evaluations, so they are
+    methods of one object rather than a closure reaching into the caller's
+    locals.
+    """
+
+    def __init__(self, phi, f0, g0, c1, c2, max_evaluations):
+        self.phi = phi
+        self.f0 = f0
+        self.g0 = g0
+        self.c1 = c1
+        self.c2 = c2
+        self.max_evaluations = max_evaluations
+        self.evaluations = 0
+
+    def evaluate(self, step):
+        """``phi(step)``, counted: the count bounds the search and is returned with the step."""
+        f, g = self.phi(step)
+        self.evaluations += 1
+        return f, g
+
+    def too_high(self, step, f):
+        """Whether ``f`` misses the sufficient decrease ``f0 + c1 * step * g0``."""
+        return f > self.f0 + self.c1 * step * self.g0
+
+    def flat_enough(self, g):
+        """Whether the slope ``g`` meets the strong curvature condition ``|g| <= c2 * |g0|``."""
+        return abs(g) <= -self.c2 * self.g0
+
+    def bracket(self, step, max_step):
+        """Algorithm 3.5: doubles ``step`` (up to ``max_step``) until it brackets a good step.
+
+        A trial point meeting both conditions ends the search; one too high,
+        no lower than the last, or sloping upwards closes a bracket to zoom into.
+        """
+        prev, f_prev, g_prev = 0.0, self.f0, self.g0
+        while self.evaluations < self.max_evaluations:
+            f, g = self.evaluate(step)
+            if self.too_high(step, f) or (self.evaluations > 1 and f >= f_prev):
+                return self.zoom(prev, f_prev, g_prev, step, f, g)
+            if self.flat_enough(g):
+                return step, f, g, self.evaluations
+            if g >= 0.0:
+                return self.zoom(step, f, g, prev, f_prev, g_prev)
+            if step >= max_step:
+                break
+            prev, f_prev, g_prev = step, f, g
+            step = min(2.0 * step, max_step)
+        raise LineSearchError(
+            f"no strong-Wolfe step up to {step:.3g} after {self.evaluations} evaluations",
+            self.evaluations,
+        )
+
+    def zoom(self, lo, f_lo, g_lo, hi, f_hi, g_hi):
+        """Algorithm 3.6: narrows ``[lo, hi]`` until a trial point meets both conditions.
+
+        ``lo`` stays the lowest point so far with its slope pointing towards
+        ``hi``, so the bracket keeps holding a step that satisfies them.
+        """
+        while self.evaluations < self.max_evaluations:
             trial = _interpolate(lo, f_lo, g_lo, hi, f_hi, g_hi)
-            f, g = phi(trial)
-            evaluations += 1
-            if f > f0 + c1 * trial * g0 or f >= f_lo:
+            f, g = self.evaluate(trial)
+            if self.too_high(trial, f) or f >= f_lo:
                 hi, f_hi, g_hi = trial, f, g
                 continue
-            if abs(g) <= -c2 * g0:
-                return trial, f, g, evaluations
+            if self.flat_enough(g):
+                return trial, f, g, self.evaluations
             if g * (hi - lo) >= 0.0:
                 hi, f_hi, g_hi = lo, f_lo, g_lo
             lo, f_lo, g_lo = trial, f, g
         raise LineSearchError(
             f"no strong-Wolfe step in [{min(lo, hi):.3g}, {max(lo, hi):.3g}] after "
-            f"{evaluations} evaluations",
-            evaluations,
+            f"{self.evaluations} evaluations",
+            self.evaluations,
         )
-
-    while evaluations < max_evaluations:
-        f, g = phi(step)
-        evaluations += 1
-        if f > f0 + c1 * step * g0 or (evaluations > 1 and f >= f_prev):
-            return zoom(prev, f_prev, g_prev, step, f, g)
-        if abs(g) <= -c2 * g0:
-            return step, f, g, evaluations
-        if g >= 0.0:
-            return zoom(step, f, g, prev, f_prev, g_prev)
-        if step >= max_step:
-            break
-        prev, f_prev, g_prev = step, f, g
-        step = min(2.0 * step, max_step)
-    raise LineSearchError(
-        f"no strong-Wolfe step up to {step:.3g} after {evaluations} evaluations", evaluations
-    )

@@ -62,149 +62,21 @@ class ShardedVectors:
         self.parameter_bytes = sum(b.shape.num_elements() * b.dtype.size for b in self.blocks)
         self._build_functions()
 
-    # ------------------------------------------------------------------ ops
-    def _per_block(self, fn, *vectors):
-        out = []
-        for i, block in enumerate(self.blocks):
-            with tf.device(block.device):
-                out.append(fn(block, *(v[i] for v in vectors)))
-        return out
-
     def _build_functions(self):
-        @tf.function
-        def zero_accumulator():
-            self._per_block(lambda b, a: a.assign(tf.zeros_like(a)), self.accumulator)
+        """One ``tf.function`` per operation (per worker for the commit).
 
-        @tf.function
-        def move_to(step):
-            # Model variables <- base + step * direction (the trial point).
-            self._per_block(
-                lambda b, x, d: b.assign(x + tf.cast(step, b.dtype) * d), self.base, self.direction
-            )
-
-        @tf.function
-        def restore():
-            self._per_block(lambda b, x: b.assign(x), self.base)
-
-        @tf.function
-        def probe():
-            # After a pass: phi'(step) = g.d, max|g|, and whether g is finite.
-            slope = tf.add_n(
-                self._per_block(lambda b, g, d: _dot(g, d), self.accumulator, self.direction)
-            )
-            gmax = tf.reduce_max(
-                tf.stack(
-                    self._per_block(
-                        lambda b, g: tf.reduce_max(tf.abs(g.read_value())), self.accumulator
-                    )
-                )
-            )
-            finite = tf.reduce_all(
-                tf.stack(
-                    self._per_block(
-                        lambda b, g: tf.reduce_all(tf.math.is_finite(g)), self.accumulator
-                    )
-                )
-            )
-            return slope, gmax, finite
-
-        @tf.function
-        def start():
-            # The first evaluated point becomes the base point.
-            def one(b, x, g, a):
-                x.assign(b)
-                g.assign(tf.cast(a, b.dtype))
-                return _dot(a, a), tf.reduce_max(tf.abs(a.read_value()))
-
-            parts = self._per_block(one, self.base, self.grad, self.accumulator)
-            return tf.add_n([p[0] for p in parts]), tf.reduce_max(tf.stack([p[1] for p in parts]))
-
-        @tf.function
-        def accept(slot):
-            # s = x_new - x, y = g_new - g stored in history slot `slot`; the
-            # new point and gradient become the base. Returns s.y, y.y, max|g|.
-            def one(b, x, g, a, s, y):
-                s_new = b - x
-                y_new = tf.cast(a, b.dtype) - g
-                s.scatter_update(tf.IndexedSlices(s_new[None], slot[None]))
-                y.scatter_update(tf.IndexedSlices(y_new[None], slot[None]))
-                x.assign(b)
-                g.assign(tf.cast(a, b.dtype))
-                return (
-                    _dot(s_new, y_new),
-                    _dot(y_new, y_new),
-                    tf.reduce_max(tf.abs(a.read_value())),
-                )
-
-            parts = self._per_block(one, self.base, self.grad, self.accumulator, self.s, self.y)
-            return (
-                tf.add_n([p[0] for p in parts]),
-                tf.add_n([p[1] for p in parts]),
-                tf.reduce_max(tf.stack([p[2] for p in parts])),
-            )
-
-        @tf.function
-        def steepest():
-            # d = -g; returns (g.d, d.d).
-            def one(b, g, d):
-                d.assign(-g)
-                return _dot(g, g)
-
-            gg = tf.add_n(self._per_block(one, self.grad, self.direction))
-            return -gg, gg
-
-        @tf.function
-        def two_loop(order, rho, gamma):
-            # d = -H g by the L-BFGS two-loop recursion. `order` lists history
-            # slots newest first; rho[j] = 1 / (s.y) of slot order[j], 0 for
-            # unused slots (which then contribute nothing). Each dot is summed
-            # over the blocks on the coordinator; each axpy runs per block.
-            q = self._per_block(lambda b, g: tf.identity(g), self.grad)
-            alphas = []
-            for j in range(self.memory):
-                slot = order[j]
-                partial = self._per_block(lambda b, s, qi: _dot(tf.gather(s, slot), qi), self.s, q)
-                alpha = rho[j] * tf.add_n(partial)
-                alphas.append(alpha)
-                q = self._per_block(
-                    lambda b, y, qi: qi - tf.cast(alpha, b.dtype) * tf.gather(y, slot), self.y, q
-                )
-            r = self._per_block(lambda b, qi: tf.cast(gamma, b.dtype) * qi, q)
-            for j in reversed(range(self.memory)):
-                slot = order[j]
-                partial = self._per_block(lambda b, y, ri: _dot(tf.gather(y, slot), ri), self.y, r)
-                coefficient = alphas[j] - rho[j] * tf.add_n(partial)
-                r = self._per_block(
-                    lambda b, s, ri: ri + tf.cast(coefficient, b.dtype) * tf.gather(s, slot),
-                    self.s,
-                    r,
-                )
-
-            def store(b, d, ri, g):
-                d.assign(-ri)
-                return -_dot(ri, g), _dot(ri, ri)
-
-            parts = self._per_block(store, self.direction, r, self.grad)
-            return tf.add_n([p[0] for p in parts]), tf.add_n([p[1] for p in parts])
-
-        self._zero_accumulator = zero_accumulator
-        self._move_to = move_to
-        self._restore = restore
-        self._probe = probe
-        self._start = start
-        self._accept = accept
-        self._steepest = steepest
-        self._two_loop = two_loop
-        self._commits = [self._make_commit(w) for w in range(self.num_workers)]
-
-    def _make_commit(self, worker):
-        stage = self.stage[worker]
-
-        @tf.function
-        def commit():
-            self._per_block(lambda b, a, s: a.assign_add(tf.cast(s, _F64)), self.accumulator, stage)
-
-        return commit
+        Each traces a body of :class:`_Bodies` once, from the coordinator.
+        """
+        bodies = _Bodies(self)
+        self._zero_accumulator = tf.function(bodies.zero_accumulator)
+        self._move_to = tf.function(bodies.move_to)
+        self._restore = tf.function(bodies.restore)
+        self._probe = tf.function(bodies.probe)
+        self._start = tf.function(bodies.start)
+        self._accept = tf.function(bodies.accept)
+        self._steepest = tf.function(bodies.steepest)
+        self._two_loop = tf.function(bodies.two_loop)
+        self._commits = [tf.function(bodies.commit_for(w)) for w in range(self.num_workers)]
 
     # ------------------------------------------------------------ interface
     def zero_accumulator(self):
@@ -281,6 +153,172 @@ class ShardedVectors:
         return {
             name: _edge_bytes(fn.get_concrete_function(*args)) for name, (fn, args) in calls.items()
         }
+
+
+class _Bodies:
+    """The graph bodies of :class:`ShardedVectors`' operations, one method each.
+
+    Every body reads and writes the same vectors, so they are methods of one
+    object rather than closures in one long builder. A body creates each
+    block's ops under that block's device (:meth:`per_block`): they run on
+    its ``ps`` task, and only the scalars a body returns reach the
+    coordinator.
+    """
+
+    def __init__(self, vectors):
+        self.vectors = vectors
+
+    def per_block(self, fn, *vectors):
+        """``fn(block, *pieces)`` for each block, under the block's device, in block order."""
+        out = []
+        for i, block in enumerate(self.vectors.blocks):
+            with tf.device(block.device):
+                out.append(fn(block, *(v[i] for v in vectors)))
+        return out
+
+    def zero_accumulator(self):
+        """Accumulator <- 0, so that a pass sums only its own slices."""
+        self.per_block(lambda b, a: a.assign(tf.zeros_like(a)), self.vectors.accumulator)
+
+    def commit_for(self, worker):
+        """The body adding ``worker``'s staged slice gradient to the accumulator.
+
+        One body per worker, bound to that worker's staging buffers, so a
+        commit takes no arguments and sends nothing through the coordinator.
+        """
+        stage = self.vectors.stage[worker]
+
+        def commit():
+            self.per_block(
+                lambda b, a, s: a.assign_add(tf.cast(s, _F64)), self.vectors.accumulator, stage
+            )
+
+        return commit
+
+    def move_to(self, step):
+        """Model variables <- base + step * direction (the trial point)."""
+        v = self.vectors
+        self.per_block(
+            lambda b, x, d: b.assign(x + tf.cast(step, b.dtype) * d), v.base, v.direction
+        )
+
+    def restore(self):
+        """Model variables <- the accepted point."""
+        self.per_block(lambda b, x: b.assign(x), self.vectors.base)
+
+    def probe(self):
+        """After a pass: phi'(step) = g.d, max|g|, and whether g is finite."""
+        v = self.vectors
+        slope = tf.add_n(self.per_block(lambda b, g, d: _dot(g, d), v.accumulator, v.direction))
+        gmax = tf.reduce_max(
+            tf.stack(
+                self.per_block(lambda b, g: tf.reduce_max(tf.abs(g.read_value())), v.accumulator)
+            )
+        )
+        finite = tf.reduce_all(
+            tf.stack(
+                self.per_block(lambda b, g: tf.reduce_all(tf.math.is_finite(g)), v.accumulator)
+            )
+        )
+        return slope, gmax, finite
+
+    def start(self):
+        """The first evaluated point becomes the base point; returns (g.g, max|g|)."""
+
+        def one(b, x, g, a):
+            x.assign(b)
+            g.assign(tf.cast(a, b.dtype))
+            return _dot(a, a), tf.reduce_max(tf.abs(a.read_value()))
+
+        v = self.vectors
+        parts = self.per_block(one, v.base, v.grad, v.accumulator)
+        return tf.add_n([p[0] for p in parts]), tf.reduce_max(tf.stack([p[1] for p in parts]))
+
+    def accept(self, slot):
+        """Stores s = x_new - x and y = g_new - g in history slot ``slot``; moves the base.
+
+        The new point and gradient become the base. Returns s.y, y.y and
+        max|g|, all the coordinator needs to keep or drop the pair and to stop.
+        """
+
+        def one(b, x, g, a, s, y):
+            s_new = b - x
+            y_new = tf.cast(a, b.dtype) - g
+            s.scatter_update(tf.IndexedSlices(s_new[None], slot[None]))
+            y.scatter_update(tf.IndexedSlices(y_new[None], slot[None]))
+            x.assign(b)
+            g.assign(tf.cast(a, b.dtype))
+            return (
+                _dot(s_new, y_new),
+                _dot(y_new, y_new),
+                tf.reduce_max(tf.abs(a.read_value())),
+            )
+
+        v = self.vectors
+        parts = self.per_block(one, v.base, v.grad, v.accumulator, v.s, v.y)
+        return (
+            tf.add_n([p[0] for p in parts]),
+            tf.add_n([p[1] for p in parts]),
+            tf.reduce_max(tf.stack([p[2] for p in parts])),
+        )
+
+    def steepest(self):
+        """d = -g; returns (g.d, d.d)."""
+
+        def one(b, g, d):
+            d.assign(-g)
+            return _dot(g, g)
+
+        gg = tf.add_n(self.per_block(one, self.vectors.grad, self.vectors.direction))
+        return -gg, gg
+
+    def two_loop(self, order, rho, gamma):
+        """d = -H g by the L-BFGS two-loop recursion; returns (g.d, d.d).
+
+        ``order`` lists history slots newest first; ``rho[j] = 1 / (s.y)`` of
+        slot ``order[j]``, 0 for unused slots (which then contribute
+        nothing). Each dot is summed over the blocks on the coordinator; each
+        axpy runs per block.
+        """
+        q = self.per_block(lambda b, g: tf.identity(g), self.vectors.grad)
+        q, alphas = self._newest_first(q, order, rho)
+        r = self.per_block(lambda b, qi: tf.cast(gamma, b.dtype) * qi, q)
+        r = self._oldest_first(r, order, rho, alphas)
+
+        def store(b, d, ri, g):
+            d.assign(-ri)
+            return -_dot(ri, g), _dot(ri, ri)
+
+        parts = self.per_block(store, self.vectors.direction, r, self.vectors.grad)
+        return tf.add_n([p[0] for p in parts]), tf.add_n([p[1] for p in parts])
+
+    def _newest_first(self, q, order, rho):
+        """The first loop, newest pair first: alpha_j = rho_j s_j.q, then q -= alpha_j y_j."""
+        v = self.vectors
+        alphas = []
+        for j in range(v.memory):
+            slot = order[j]
+            partial = self.per_block(lambda b, s, qi: _dot(tf.gather(s, slot), qi), v.s, q)
+            alpha = rho[j] * tf.add_n(partial)
+            alphas.append(alpha)
+            q = self.per_block(
+                lambda b, y, qi: qi - tf.cast(alpha, b.dtype) * tf.gather(y, slot), v.y, q
+            )
+        return q, alphas
+
+    def _oldest_first(self, r, order, rho, alphas):
+        """The second loop, oldest pair first: r += (alpha_j - rho_j y_j.r) s_j."""
+        v = self.vectors
+        for j in reversed(range(v.memory)):
+            slot = order[j]
+            partial = self.per_block(lambda b, y, ri: _dot(tf.gather(y, slot), ri), v.y, r)
+            coefficient = alphas[j] - rho[j] * tf.add_n(partial)
+            r = self.per_block(
+                lambda b, s, ri: ri + tf.cast(coefficient, b.dtype) * tf.gather(s, slot),
+                v.s,
+                r,
+            )
+        return r
 
 
 def _edge_bytes(concrete):
