@@ -215,6 +215,16 @@ def microbatch_gradients(model, plan, data, microbatches):
     Example:
       >>> loss, y_pred, grads = microbatch_gradients(model, plan, (x, y), 4)  # doctest: +SKIP
     """
+    _check_pipelinable(model, microbatches)
+    x, y, sample_weight = _unpack(data)
+    pipeline = _Pipeline(model, plan, microbatches)
+    pipeline.forward(_split_batch(_flat_inputs(model, x), microbatches))
+    loss, y_pred = pipeline.loss(x, y, sample_weight)
+    return loss, y_pred, pipeline.backward()
+
+
+def _check_pipelinable(model, microbatches):
+    """Refuses, before any op is made, a model the pipeline cannot run exactly."""
     problem = pipeline_problem(model)
     if problem is not None:
         raise ValueError(
@@ -223,108 +233,175 @@ def microbatch_gradients(model, plan, data, microbatches):
     problem = batch_statistics_problem(model, microbatches)
     if problem is not None:
         raise ValueError(problem)
-    x, y, sample_weight = _unpack(data)
-    stages, model_inputs, model_outputs = _stages(model, plan)
-    flat_x = _flat_inputs(model, x)
+
+
+def _split_batch(flat_x, microbatches):
+    """Each input split into ``microbatches`` parts along the batch axis.
+
+    The sizes differ by at most one, so any batch size works; a batch smaller
+    than ``microbatches`` leaves some parts empty, and empty tensors flow
+    through the stages harmlessly.
+    """
     n = tf.shape(flat_x[0])[0]
     base, extra = n // microbatches, n % microbatches
     sizes = tf.stack([base + tf.cast(m < extra, n.dtype) for m in range(microbatches)])
-    split_x = [tf.split(v, sizes, num=microbatches, axis=0) for v in flat_x]
-    variables = model.trainable_variables
-    not_watched = set(model_inputs)  # the model's inputs need no gradient
+    return [tf.split(v, sizes, num=microbatches, axis=0) for v in flat_x]
 
-    # Forward: micro-batch m through stage s, each in its own tape, on the
-    # stage's device. (A batch smaller than `microbatches` leaves some
-    # micro-batches empty; empty tensors flow through harmlessly.)
-    # A layer's add_loss (or activity regularizer) adds a loss computed in its
-    # stage's tape: `added` keeps them, and the backward pass sends them the
-    # loss's gradient with respect to them.
-    tapes, ins, outs, values, added = {}, {}, {}, [], {}
-    for m in range(microbatches):
-        values.append(dict(zip(model_inputs, (v[m] for v in split_x))))
-        for s, stage in enumerate(stages):
-            with tf.device(stage.device):
-                local = {k: _carry(values[m][k]) for k in stage.inputs}
-                added[s, m] = []
-                with tf.GradientTape() as tape:
-                    watched = [
-                        k
-                        for k in stage.inputs
-                        if k not in not_watched and local[k].dtype.is_floating
-                    ]
-                    tape.watch([local[k] for k in watched])
-                    for call in stage.calls:
-                        call(local, True)
-                        added[s, m] += _integration.added_losses(call.layer)
-                tapes[s, m] = tape
-                ins[s, m] = [(k, local[k]) for k in watched]
-                outs[s, m] = [local[k] for k in stage.outputs]
-                values[m].update(zip(stage.outputs, outs[s, m]))
 
-    # The loss is Keras' own loss on the whole batch (so any loss, weighted or
-    # not, decomposable or not, is exactly the unpipelined one), computed on
-    # the last stage's device once every micro-batch has come out -- the
-    # GPipe schedule: all forwards, then all backwards.
-    _check_added_losses(added, stages, microbatches)
-    preds = [[values[m][k] for k in model_outputs] for m in range(microbatches)]
-    flat_preds = [p for per_m in preds for p in per_m]
-    flat_added = [t for s in range(len(stages)) for t in added[s, 0]]
-    with tf.device(stages[-1].device):
-        with tf.GradientTape() as tape:
-            # Keras's loss adds model.losses: the layers' added losses are
-            # those very tensors, computed in the stages' tapes.
-            tape.watch(flat_preds + flat_added)
-            y_pred = _pack_outputs(
-                model,
-                [
-                    _concat([preds[m][i] for m in range(microbatches)])
-                    for i in range(len(model_outputs))
-                ],
-            )
-            loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
-            scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
-        g = tape.gradient(
-            scaled,
-            [*flat_preds, *flat_added, *variables],
-            unconnected_gradients=tf.UnconnectedGradients.NONE,
-        )
-    k = len(model_outputs)
-    upstream = [dict(zip(model_outputs, g[m * k : (m + 1) * k])) for m in range(microbatches)]
-    added_grads = iter(g[len(flat_preds) : len(flat_preds) + len(flat_added)])
-    added_grads = {s: [next(added_grads) for _ in added[s, 0]] for s in range(len(stages))}
-    grads = list(g[len(flat_preds) + len(flat_added) :])  # e.g. weight regularisation terms
+class _Pipeline:
+    """One pipelined step: its stages, and what each ``(stage, micro-batch)`` made.
 
-    # Backward: stage by stage in reverse, on each stage's device; a tensor
-    # read by several later stages gets the sum of their gradients.
-    for m in range(microbatches):
-        for s in range(len(stages) - 1, -1, -1):
-            stage = stages[s]
-            if not stage.outputs and not added[s, m]:
-                continue
-            # stage_gradients: the backward ops of a column-split layer's
-            # shards go to the shards' devices, the rest to the stage's.
-            with tf.device(stage.device), _placement.stage_gradients():
-                output_gradients = [
-                    upstream[m].get(key) if upstream[m].get(key) is not None else tf.zeros_like(out)
-                    for key, out in zip(stage.outputs, outs[s, m])
+    The forward pass, the loss and the backward pass all read the same
+    per-``(s, m)`` tapes and tensors, so they live here rather than being
+    passed between functions:
+
+    * ``tapes[s, m]`` -- the tape of stage ``s``'s forward pass on micro-batch ``m``;
+    * ``ins[s, m]`` -- ``(key, tensor)`` of the inputs it watched (those that
+      need a gradient sent back to an earlier stage);
+    * ``outs[s, m]`` -- the tensors it sent on, in ``stages[s].outputs`` order;
+    * ``added[s, m]`` -- the losses its layers added (``add_loss`` or an
+      activity regularizer), computed in its tape;
+    * ``values[m]`` -- every tensor of micro-batch ``m`` made so far, by key;
+    * ``upstream[m]`` -- the gradients flowing back to the tensors of
+      micro-batch ``m``, by key; ``grads`` -- the variables' gradients so far.
+    """
+
+    def __init__(self, model, plan, microbatches):
+        self.model = model
+        self.microbatches = microbatches
+        self.stages, self.model_inputs, self.model_outputs = _stages(model, plan)
+        self.variables = model.trainable_variables
+        self.not_watched = set(self.model_inputs)  # the model's inputs need no gradient
+        self.tapes, self.ins, self.outs, self.values, self.added = {}, {}, {}, [], {}
+        self.upstream, self.added_grads, self.grads = None, None, None
+
+    def forward(self, split_x):
+        """Runs micro-batch m through stage s, for every m and s in that order.
+
+        Each stage's ops are made in its own tape, on its device; the
+        dataflow, not this loop's order, lets stage ``s+1`` work on one
+        micro-batch while stage ``s`` works on the next.
+        """
+        for m in range(self.microbatches):
+            self.values.append(dict(zip(self.model_inputs, (v[m] for v in split_x))))
+            for s in range(len(self.stages)):
+                self._forward_stage(s, m)
+
+    def _forward_stage(self, s, m):
+        """Stage ``s``'s layers on micro-batch ``m``, recorded in a tape of their own.
+
+        Its inputs are first copied onto the stage's device, Keras masks
+        included: the copy is the one transfer across the cut, and the tape
+        watches the copies, whose gradients the backward pass hands back to
+        the stages that made them.
+        """
+        stage, values = self.stages[s], self.values[m]
+        with tf.device(stage.device):
+            local = {k: _carry(values[k]) for k in stage.inputs}
+            self.added[s, m] = []
+            with tf.GradientTape() as tape:
+                watched = [
+                    k
+                    for k in stage.inputs
+                    if k not in self.not_watched and local[k].dtype.is_floating
                 ]
-                # Added losses: only with one micro-batch (_check_added_losses).
-                output_gradients += [
-                    tf.zeros_like(t) if gt is None else gt
-                    for t, gt in zip(added[s, m], added_grads[s])
-                ]
-                head = ins[s, m]
-                g = tapes[s, m].gradient(
-                    outs[s, m] + added[s, m],
-                    [h for _, h in head] + variables,
-                    output_gradients=output_gradients,
-                    unconnected_gradients=tf.UnconnectedGradients.NONE,
+                tape.watch([local[k] for k in watched])
+                for call in stage.calls:
+                    call(local, True)
+                    self.added[s, m] += _integration.added_losses(call.layer)
+            self.tapes[s, m] = tape
+            self.ins[s, m] = [(k, local[k]) for k in watched]
+            self.outs[s, m] = [local[k] for k in stage.outputs]
+            values.update(zip(stage.outputs, self.outs[s, m]))
+
+    def loss(self, x, y, sample_weight):
+        """``(loss, y_pred)``: Keras' own loss on the concatenated predictions.
+
+        Computing the loss on the whole batch makes any loss, weighted or
+        not, decomposable or not, exactly the unpipelined one. It runs on the
+        last stage's device once every micro-batch has come out -- the GPipe
+        schedule: all forwards, then all backwards. Its gradients with respect
+        to each micro-batch's predictions and each added loss seed the
+        backward pass; its gradients with respect to the variables directly
+        (e.g. weight regularisation terms) start ``grads``.
+        """
+        _check_added_losses(self.added, self.stages, self.microbatches)
+        model, outputs, every_m = self.model, self.model_outputs, range(self.microbatches)
+        preds = [[self.values[m][k] for k in outputs] for m in every_m]
+        flat_preds = [p for per_m in preds for p in per_m]
+        flat_added = [t for s in range(len(self.stages)) for t in self.added[s, 0]]
+        with tf.device(self.stages[-1].device):
+            with tf.GradientTape() as tape:
+                # Keras's loss adds model.losses: the layers' added losses are
+                # those very tensors, computed in the stages' tapes.
+                tape.watch(flat_preds + flat_added)
+                y_pred = _pack_outputs(
+                    model, [_concat([preds[m][i] for m in every_m]) for i in range(len(outputs))]
                 )
-                for (key, _), gk in zip(head, g[: len(head)]):
-                    upstream[m][key] = _add(upstream[m].get(key), gk)
-                for i, gv in enumerate(g[len(head) :]):
-                    grads[i] = _add(grads[i], gv)
-    return loss, y_pred, grads
+                loss = _integration.compute_loss(model, x, y, y_pred, sample_weight)
+                scaled = loss if model.optimizer is None else model.optimizer.scale_loss(loss)
+            g = tape.gradient(
+                scaled,
+                [*flat_preds, *flat_added, *self.variables],
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+        self._seed_backward(g, len(flat_preds), len(flat_added))
+        return loss, y_pred
+
+    def _seed_backward(self, g, num_preds, num_added):
+        """Splits the loss's gradients ``g`` into ``upstream``, ``added_grads``, ``grads``."""
+        k = len(self.model_outputs)
+        self.upstream = [
+            dict(zip(self.model_outputs, g[m * k : (m + 1) * k])) for m in range(self.microbatches)
+        ]
+        added_grads = iter(g[num_preds : num_preds + num_added])
+        self.added_grads = {
+            s: [next(added_grads) for _ in self.added[s, 0]] for s in range(len(self.stages))
+        }
+        self.grads = list(g[num_preds + num_added :])
+
+    def backward(self):
+        """The variables' gradients, summed over every stage and micro-batch.
+
+        Stage by stage in reverse, so that a stage's outputs have all their
+        gradients (a tensor read by several later stages gets the sum of
+        theirs) before its own tape is differentiated.
+        """
+        for m in range(self.microbatches):
+            for s in range(len(self.stages) - 1, -1, -1):
+                if self.stages[s].outputs or self.added[s, m]:
+                    self._backward_stage(s, m)
+        return self.grads
+
+    def _backward_stage(self, s, m):
+        """Differentiates stage ``s``'s tape for micro-batch ``m``, on its device.
+
+        Under stage_gradients, the backward ops of a column-split layer's
+        shards go to the shards' devices, the rest to the stage's. An output
+        or added loss that the loss does not depend on gets a zero gradient.
+        """
+        stage, upstream = self.stages[s], self.upstream[m]
+        with tf.device(stage.device), _placement.stage_gradients():
+            output_gradients = [
+                upstream.get(key) if upstream.get(key) is not None else tf.zeros_like(out)
+                for key, out in zip(stage.outputs, self.outs[s, m])
+            ]
+            # Added losses: only with one micro-batch (_check_added_losses).
+            output_gradients += [
+                tf.zeros_like(t) if gt is None else gt
+                for t, gt in zip(self.added[s, m], self.added_grads[s])
+            ]
+            head = self.ins[s, m]
+            g = self.tapes[s, m].gradient(
+                self.outs[s, m] + self.added[s, m],
+                [h for _, h in head] + self.variables,
+                output_gradients=output_gradients,
+                unconnected_gradients=tf.UnconnectedGradients.NONE,
+            )
+            for (key, _), gk in zip(head, g[: len(head)]):
+                upstream[key] = _add(upstream.get(key), gk)
+            for i, gv in enumerate(g[len(head) :]):
+                self.grads[i] = _add(self.grads[i], gv)
 
 
 def _check_added_losses(added, stages, microbatches):

@@ -195,10 +195,35 @@ def apply_plan(
     """
 
     layers = top_level_layers(model)
+    _check_places_layers(model, layers, plan)
+    split = _split_planned_layers(model, layers, plan, place_variables)
+    if split:
+        layers = top_level_layers(model)
+    placement = variable_devices(model, plan)
+    moved = _move_variables(model, placement) if place_variables else {}
+    _place_calls(layers, plan)
+    if moved:
+        _move_optimizer_state(model, moved, colocated or {})
+    if moved or split:
+        # Traced steps captured the old variables, layers and devices.
+        model.train_function = model.test_function = model.predict_function = None
+    return model
+
+
+def _check_places_layers(model, layers, plan):
+    """Refuses a plan that leaves out some of ``model``'s layers, before anything changes."""
     devices = plan.layer_devices
     missing = [l.name for l in layers if l.name not in devices]
     if missing:
         raise ValueError(f"the plan does not place layers {missing} of model {model.name!r}")
+
+
+def _split_planned_layers(model, layers, plan, place_variables):
+    """Replaces each ``Dense`` the plan splits by a ColumnParallelDense; returns the Dense layers.
+
+    A layer already a ColumnParallelDense (the plan applied before) is left
+    alone, which keeps ``apply_plan`` idempotent.
+    """
     split = [l for l in layers if l.name in plan.splits and not isinstance(l, ColumnParallelDense)]
     for layer in split:
         if not place_variables:
@@ -207,25 +232,31 @@ def apply_plan(
                 "variables; it cannot be applied with place_variables=False"
             )
         _split_dense(model, layer, plan.shard_devices[layer.name])
-    if split:
-        layers = top_level_layers(model)
-    placement = variable_devices(model, plan)
+    return split
+
+
+def _move_variables(model, placement):
+    """Moves ``model``'s variables to their devices in ``placement``.
+
+    Returns ``{id(old tf.Variable): new tf.Variable}`` for those that moved,
+    which is how optimizer slots created next to an old one find where to go.
+    """
     moved = {}
-    if place_variables:
-        for v in model.weights:
-            device = placement.get(id(v))
-            old = _move(v, device) if device is not None else None
-            if old is not None:
-                moved[id(old)] = v.value
+    for v in model.weights:
+        device = placement.get(id(v))
+        old = _move(v, device) if device is not None else None
+        if old is not None:
+            moved[id(old)] = v.value
+    return moved
+
+
+def _place_calls(layers, plan):
+    """Runs each layer's call on its stage's device, and a split layer's shards on theirs."""
+    devices = plan.layer_devices
     for layer in layers:
         if layer.name in plan.shard_devices:
             layer._shard_placement = list(plan.shard_devices[layer.name])
         _wrap_call(layer, devices[layer.name])
-    if moved:
-        _move_optimizer_state(model, moved, colocated or {})
-    if moved or split:
-        model.train_function = model.test_function = model.predict_function = None
-    return model
 
 
 def _split_dense(model, dense, devices):

@@ -387,13 +387,6 @@ def plan_partition(
     own (for example by a data-parallel strategy that places one replica across
     the devices of one worker): make a plan, then :func:`apply_plan` it.
 
-    With a ``device_budget_bytes``, a ``Dense`` layer whose parameters alone
-    exceed the budget is split column-wise (``split_large_layers=True``, the
-    default): the plan gives it the fewest shards that fit, one per device (more
-    if the whole plan does not fit otherwise), on the devices holding the fewest
-    shard bytes, and reports it in ``plan.splits``; :func:`apply_plan` then
-    replaces the layer by a :class:`ColumnParallelDense` with the same weights.
-
     Args:
       model_or_layers: a built ``keras.Model`` (its top-level layers in call
         order are the units) or a list of built layers.
@@ -401,17 +394,14 @@ def plan_partition(
       partition: ``"balanced"`` or ``{layer name: device}``. In an explicit map,
         parameter-free layers may be omitted (they follow the previous layer);
         every layer with parameters must be named.
-      balance_by: ``"params"`` (largest per-device parameter bytes, column
-        shards included, is minimised; the default, as memory is why one
-        partitions) or ``"flops"`` (estimated forward FLOPs, for pipelined
-        speed).
+      balance_by: ``"params"`` (the default: the largest per-device parameter
+        bytes, column shards included, is minimised, as memory is why one
+        partitions) or ``"flops"`` (estimated forward FLOPs, for pipelined speed).
       device_budget_bytes: optional parameter-byte capacity of each device;
         a plan exceeding it raises ``ValueError``.
       split_large_layers: split a ``Dense`` layer larger than
-        ``device_budget_bytes`` column-wise instead of raising. Automatic
-        splitting needs a ``Sequential`` model (the layer is replaced in it) and
-        a plain ``keras.layers.Dense`` without regularizers, constraints, LoRA
-        or quantization; otherwise use :class:`ColumnParallelDense` directly.
+        ``device_budget_bytes`` column-wise instead of raising; how and when:
+        "Planning without the strategy" in the model-parallelism guide.
       tolerance: stages may exceed the optimal bottleneck by this fraction if
         that reduces the activation bytes crossing stage boundaries.
 
@@ -419,10 +409,9 @@ def plan_partition(
       A :class:`Plan`.
 
     Raises:
-      ValueError: bad devices or partition; more stages than layers; a single
-        layer larger than ``device_budget_bytes`` that is not split (splitting
-        off or not possible) or whose column shards still do not fit with one
-        per device; a plan over budget.
+      ValueError: bad devices or partition; more stages than layers; a layer
+        over ``device_budget_bytes`` not split, or whose column shards do not
+        fit one per device; a plan over budget.
 
     Example:
       >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4),
@@ -431,6 +420,15 @@ def plan_partition(
       >>> plan.layer_devices   # doctest: +SKIP
       {'dense': '/device:CPU:0', 'dense_1': '/device:CPU:1'}
     """
+    devices = _check_arguments(devices, balance_by, tolerance, device_budget_bytes)
+    planner = _Planner(
+        model_or_layers, devices, partition, balance_by, tolerance, device_budget_bytes
+    )
+    return planner.plan(split_large_layers)
+
+
+def _check_arguments(devices, balance_by, tolerance, device_budget_bytes):
+    """Refuses bad arguments before the model is read; returns the device names as strings."""
     devices = _check_devices(devices)
     if balance_by not in ("params", "flops"):
         raise ValueError(f"balance_by must be 'params' or 'flops', got {balance_by!r}")
@@ -438,57 +436,7 @@ def plan_partition(
         raise ValueError(f"tolerance must be >= 0, got {tolerance!r}")
     if device_budget_bytes is not None and device_budget_bytes <= 0:
         raise ValueError(f"device_budget_bytes must be positive, got {device_budget_bytes!r}")
-    costs = layer_costs(model_or_layers)
-    layers = top_level_layers(model_or_layers)
-    if not costs:
-        raise ValueError("the model has no layers to partition")
-    if partition != "balanced" and not isinstance(partition, dict):
-        raise ValueError(
-            f"partition must be 'balanced' or a dict {{layer name: device}}, got {partition!r}"
-        )
-    budget = device_budget_bytes
-    splits = {}  # index of an automatically split Dense -> fewest shards that fit
-    if budget is not None:
-        splits = _automatic_splits(
-            model_or_layers, layers, costs, len(devices), budget, split_large_layers
-        )
-        for c in costs:
-            if c.shard_bytes and max(c.shard_bytes) > budget:
-                raise ValueError(
-                    f"layer {c.name!r} has a column shard of {max(c.shard_bytes):,} "
-                    f"parameter bytes, more than the device budget of {budget:,} bytes; "
-                    "give it more shards (ColumnParallelDense(num_shards=...)) or raise "
-                    "device_budget_bytes"
-                )
-    if partition == "balanced" and len(devices) > len(costs):
-        raise ValueError(
-            f"cannot make {len(devices)} stages from {len(costs)} layer(s) "
-            f"({[c.name for c in costs]}): use at most {len(costs)} devices"
-        )
-    # More shards than the minimum only if the whole plan does not fit.
-    extra = 0
-    while True:
-        counts = {
-            i: min(n + extra, _max_shards(layers[i], len(devices))) for i, n in splits.items()
-        }
-        plan = _make_plan(costs, layers, devices, partition, balance_by, tolerance, counts, budget)
-        over = {
-            d: b for d, b in plan.device_param_bytes.items() if budget is not None and b > budget
-        }
-        if not over or all(counts[i] == _max_shards(layers[i], len(devices)) for i in counts):
-            break
-        extra += 1
-    if over:
-        device, nbytes = max(over.items(), key=lambda item: item[1])
-        split = "".join(
-            f"; {costs[i].name!r} is split into {n} column shards" for i, n in counts.items()
-        )
-        raise ValueError(
-            f"the {plan.partition} plan puts {nbytes:,} parameter bytes on {device}, "
-            f"more than the device budget of {budget:,} bytes{split}; add devices, "
-            "raise device_budget_bytes or split large layers with ColumnParallelDense"
-        )
-    return plan
+    return devices
 
 
 def _split_problem(model_or_layers, layer):
@@ -574,63 +522,168 @@ def _assign_shards(sizes, devices, load):
     return tuple(chosen)
 
 
-def _make_plan(costs, layers, devices, partition, balance_by, tolerance, splits, budget):
-    costs = list(costs)
-    shard_devices, shard_bytes = {}, {}
-    load = {d: 0 for d in devices}  # column-shard bytes per device
-    for i, layer in enumerate(layers):
-        if i in splits:
-            costs[i] = dataclasses.replace(
-                costs[i], param_bytes=0, shard_bytes=_dense_shard_bytes(layer, splits[i])
+class _Planner:
+    """One :func:`plan_partition` call: the model's layers, their costs, the options.
+
+    Within a budget, planning may make several whole plans (more column
+    shards each time) over the same layers, costs, devices and options; they
+    live here rather than being passed to every step.
+    """
+
+    def __init__(self, model_or_layers, devices, partition, balance_by, tolerance, budget):
+        self.model_or_layers = model_or_layers
+        self.costs = layer_costs(model_or_layers)
+        self.layers = top_level_layers(model_or_layers)
+        if not self.costs:
+            raise ValueError("the model has no layers to partition")
+        if partition != "balanced" and not isinstance(partition, dict):
+            raise ValueError(
+                f"partition must be 'balanced' or a dict {{layer name: device}}, got {partition!r}"
             )
-        c = costs[i]
-        if not c.shard_bytes:
-            continue
-        explicit = None if i in splits else getattr(layer, "devices", None)
-        if explicit:
-            explicit = tuple(str(d) for d in explicit)
-            outside = sorted(set(explicit) - set(devices))
-            if outside:
+        self.devices, self.partition = devices, partition
+        self.balance_by, self.tolerance, self.budget = balance_by, tolerance, budget
+
+    def plan(self, split_large_layers):
+        """The plan, once the checks that need no plan (layers over budget, too few layers) pass."""
+        costs, devices, budget = self.costs, self.devices, self.budget
+        splits = {}  # index of an automatically split Dense -> fewest shards that fit
+        if budget is not None:
+            splits = _automatic_splits(
+                self.model_or_layers, self.layers, costs, len(devices), budget, split_large_layers
+            )
+            self._check_shards_fit()
+        if self.partition == "balanced" and len(devices) > len(costs):
+            raise ValueError(
+                f"cannot make {len(devices)} stages from {len(costs)} layer(s) "
+                f"({[c.name for c in costs]}): use at most {len(costs)} devices"
+            )
+        return self._plan_within_budget(splits)
+
+    def _check_shards_fit(self):
+        """Refuses a column-split layer with a shard over budget: no plan can fit it."""
+        budget = self.budget
+        for c in self.costs:
+            if c.shard_bytes and max(c.shard_bytes) > budget:
                 raise ValueError(
-                    f"layer {c.name!r} puts column shards on {outside}, "
-                    f"which are not in devices={devices}"
+                    f"layer {c.name!r} has a column shard of {max(c.shard_bytes):,} "
+                    f"parameter bytes, more than the device budget of {budget:,} bytes; "
+                    "give it more shards (ColumnParallelDense(num_shards=...)) or raise "
+                    "device_budget_bytes"
                 )
-            for d, nbytes in zip(explicit, c.shard_bytes):
-                load[d] += nbytes
-        shard_devices[c.name] = explicit or _assign_shards(c.shard_bytes, devices, load)
-        shard_bytes[c.name] = c.shard_bytes
-    if partition == "balanced":
-        k = len(devices)
-        if balance_by == "params":
-            weight, offsets = (lambda c: c.param_bytes), [load[d] for d in devices]
-        else:
-            weight, offsets = (lambda c: c.flops), None
-        cuts = [0, *_balanced_bounds(costs, k, weight, tolerance, offsets), len(costs)]
-        groups = [(devices[s], costs[cuts[s] : cuts[s + 1]]) for s in range(k)]
-        name = "balanced"
-    else:
-        groups = _explicit_groups(costs, layers, devices, partition)
-        name = "explicit"
-    stages = tuple(
-        Stage(
-            device=d,
-            layers=tuple(c.name for c in group),
-            param_bytes=sum(c.param_bytes for c in group),
-            flops=sum(c.flops for c in group),
-            boundary_bytes=group[-1].activation_bytes if group and i < len(groups) - 1 else 0,
+
+    def _plan_within_budget(self, splits):
+        """The plan with the fewest shards per split layer that fits ``budget``.
+
+        ``splits`` holds the fewest shards that fit each layer alone; more
+        (one more for every split layer at a time, at most one per device) only
+        if the whole plan does not fit otherwise.
+        """
+        budget, k = self.budget, len(self.devices)
+        extra = 0
+        while True:
+            counts = {i: min(n + extra, _max_shards(self.layers[i], k)) for i, n in splits.items()}
+            plan = self._make_plan(counts)
+            over = {
+                d: b
+                for d, b in plan.device_param_bytes.items()
+                if budget is not None and b > budget
+            }
+            if not over or all(counts[i] == _max_shards(self.layers[i], k) for i in counts):
+                break
+            extra += 1
+        if over:
+            device, nbytes = max(over.items(), key=lambda item: item[1])
+            split = "".join(
+                f"; {self.costs[i].name!r} is split into {n} column shards"
+                for i, n in counts.items()
+            )
+            raise ValueError(
+                f"the {plan.partition} plan puts {nbytes:,} parameter bytes on {device}, "
+                f"more than the device budget of {budget:,} bytes{split}; add devices, "
+                "raise device_budget_bytes or split large layers with ColumnParallelDense"
+            )
+        return plan
+
+    def _make_plan(self, splits):
+        """The plan with the ``Dense`` layers in ``splits`` (``{index: shards}``) split."""
+        costs, shard_devices, shard_bytes, load = self._place_shards(splits)
+        groups, name = self._stage_groups(costs, load)
+        stages = tuple(
+            Stage(
+                device=d,
+                layers=tuple(c.name for c in group),
+                param_bytes=sum(c.param_bytes for c in group),
+                flops=sum(c.flops for c in group),
+                boundary_bytes=group[-1].activation_bytes if group and i < len(groups) - 1 else 0,
+            )
+            for i, (d, group) in enumerate(groups)
         )
-        for i, (d, group) in enumerate(groups)
-    )
-    return Plan(
-        stages=stages,
-        devices=tuple(devices),
-        partition=name,
-        balance_by=balance_by,
-        shard_devices=shard_devices,
-        shard_bytes=shard_bytes,
-        splits={costs[i].name: n for i, n in splits.items()},
-        device_budget_bytes=budget,
-    )
+        return Plan(
+            stages=stages,
+            devices=tuple(self.devices),
+            partition=name,
+            balance_by=self.balance_by,
+            shard_devices=shard_devices,
+            shard_bytes=shard_bytes,
+            splits={costs[i].name: n for i, n in splits.items()},
+            device_budget_bytes=self.budget,
+        )
+
+    def _place_shards(self, splits):
+        """The column shards' devices, before the stages are cut.
+
+        Returns the costs (a split layer's parameters moved into its shards),
+        ``{layer: shard devices}``, ``{layer: shard bytes}`` and the shard
+        bytes per device, which the balanced cut counts as already there.
+        """
+        devices, costs = self.devices, list(self.costs)
+        shard_devices, shard_bytes = {}, {}
+        load = {d: 0 for d in devices}  # column-shard bytes per device
+        for i, layer in enumerate(self.layers):
+            if i in splits:
+                costs[i] = dataclasses.replace(
+                    costs[i], param_bytes=0, shard_bytes=_dense_shard_bytes(layer, splits[i])
+                )
+            c = costs[i]
+            if not c.shard_bytes:
+                continue
+            explicit = None if i in splits else getattr(layer, "devices", None)
+            if explicit:
+                explicit = _explicit_shard_devices(c, explicit, devices, load)
+            shard_devices[c.name] = explicit or _assign_shards(c.shard_bytes, devices, load)
+            shard_bytes[c.name] = c.shard_bytes
+        return costs, shard_devices, shard_bytes, load
+
+    def _stage_groups(self, costs, load):
+        """``([(device, its costs)], partition name)``: the contiguous stages."""
+        devices = self.devices
+        if self.partition == "balanced":
+            k = len(devices)
+            if self.balance_by == "params":
+                weight, offsets = (lambda c: c.param_bytes), [load[d] for d in devices]
+            else:
+                weight, offsets = (lambda c: c.flops), None
+            cuts = [0, *_balanced_bounds(costs, k, weight, self.tolerance, offsets), len(costs)]
+            return [(devices[s], costs[cuts[s] : cuts[s + 1]]) for s in range(k)], "balanced"
+        return _explicit_groups(costs, self.layers, devices, self.partition), "explicit"
+
+
+def _explicit_shard_devices(cost, layer_devices, devices, load):
+    """A ColumnParallelDense's own shard devices, checked, their bytes added to ``load``.
+
+    ``load`` is what the shards placed by the planner and the balanced cut
+    see already on each device.
+    """
+    explicit = tuple(str(d) for d in layer_devices)
+    outside = sorted(set(explicit) - set(devices))
+    if outside:
+        raise ValueError(
+            f"layer {cost.name!r} puts column shards on {outside}, "
+            f"which are not in devices={devices}"
+        )
+    for d, nbytes in zip(explicit, cost.shard_bytes):
+        load[d] += nbytes
+    return explicit
 
 
 def _explicit_groups(costs, layers, devices, partition):
