@@ -228,16 +228,7 @@ def _figures(model, network, runs):
 
 
 #: The README's compact table (the Benchmarks page has every column).
-README_COLUMNS = [
-    "model",
-    "network",
-    "row",
-    "cand/peer",
-    "same acc",
-    "to acc: peer/cand",
-    "cand acc",
-    "peer acc",
-]
+README_COLUMNS = ["model", "network", "row", "cand/peer", "to acc", "cand acc", "peer acc"]
 COLUMNS = [
     "model",
     "network",
@@ -250,7 +241,7 @@ COLUMNS = [
     "same acc",
     "cand s to acc",
     "peer s to acc",
-    "to acc: peer/cand",
+    "to acc",
     "cand acc",
     "peer acc",
     "examples trained",
