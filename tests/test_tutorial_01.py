@@ -10,23 +10,21 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tutorial_01_downpour_runs(tutorial):
-    out = tutorial("01_downpour.py", "--quick", timeout=280)
-    assert out.count("alive") == 3
-    assert "Downpour (2 workers, n_fetch=n_push=2): held-out accuracy" in out
-    assert "Single-process Keras, same steps" in out
-    assert "Saved and reloaded outside the cluster" in out
-    downpour = float(out.split("held-out accuracy ")[1].split()[0])
-    assert downpour > 0.8
-    keras_accuracy = float(out.split("Single-process Keras, same steps:")[1].split()[2])
-    verdict = out.rstrip().splitlines()[-1]
-    close = "yes" if downpour >= keras_accuracy - 0.02 else "no"
-    assert verdict.startswith(
-        "VERDICT: Downpour within 2 points of single-process Keras at "
-        f"the same steps: {close} (quick run"
-    ), verdict
+    r = tutorial("01_downpour.py", "--quick", timeout=280)
+    assert r["tasks_alive"] == ["ps:0", "worker:0", "worker:1"], r
+    downpour, keras_accuracy = r["downpour_accuracy"], r["keras_accuracy"]
+    assert downpour > 0.8, r
+    # The verdict is the comparison it reports.
+    assert r["within_2_points"] is (downpour >= keras_accuracy - 0.02), r
     # The quick run is asynchronous and short (3 x 80 steps): Downpour got
     # 0.900-0.949 against Keras's 0.949 in 6 runs (4 of them more than 2
     # points behind, before and after the 2026-11-24 changes); the verdict
     # reports which, and this bounds how far behind.
-    assert downpour >= keras_accuracy - 0.08, (downpour, keras_accuracy)
-    assert "python -m benchmarks.run downpour_throughput" in verdict
+    assert downpour >= keras_accuracy - 0.08, r
+    # Saved and reloaded outside the cluster, the same model: the same digits
+    # right (1e-3 is under one of the 450 test digits).
+    assert abs(r["reloaded_accuracy"] - downpour) < 1e-3, r
+    # Both workers trained, and every step of fit was run once, by one of them.
+    per_worker = r["steps_per_worker"]
+    assert set(per_worker) == {"0", "1"} and min(per_worker.values()) > 0, r
+    assert sum(per_worker.values()) == r["fit_steps"] == 3 * 80, r

@@ -10,15 +10,16 @@ import pytest
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tutorial_02_sandblaster_runs(tutorial):
-    out = tutorial("02_sandblaster_lbfgs.py", "--quick", timeout=280)
-    assert "Sandblaster L-BFGS (2 workers, 2 ps): loss" in out
-    assert "minimize, worker 1 slowed 4x" in out
-    assert "Saved and reloaded outside the cluster" in out
-    slowed = float(out.split("slowed 4x: loss ")[1].split()[0])
-    plain = float(out.split("(unslowed ")[1].split(")")[0])
-    assert abs(slowed - plain) <= 1e-5 * plain
-    held_out = float(out.split("held-out accuracy ")[-1].split()[0])
-    assert held_out > 0.9
-    verdict = out.rstrip().splitlines()[-1]
-    assert verdict.startswith("VERDICT: Sandblaster L-BFGS matches SciPy's L-BFGS-B"), verdict
-    assert "needs the full run (this quick run stops after 30 iterations" in verdict
+    r = tutorial("02_sandblaster_lbfgs.py", "--quick", timeout=280)
+    # The quick run stops after the 30 iterations fit was given, with no SciPy
+    # run to compare with: the verdict says the claim needs the full run.
+    assert r["quick"] is True and r["iterations"] == 30, r
+    assert r["matches_scipy"] is None and r["scipy_loss"] is None, r
+    # A worker slowed 4x changes how long a pass takes, not its result.
+    slowed, plain = r["minimize_slowed_loss"], r["minimize_unslowed_loss"]
+    assert abs(slowed - plain) <= 1e-5 * plain, r
+    assert r["held_out_accuracy"] > 0.9 and r["reloaded_accuracy"] > 0.9, r
+    # The reloaded model is the trained one (1e-3 is under one of 450 test digits).
+    assert abs(r["reloaded_accuracy"] - r["held_out_accuracy"]) < 1e-3, r
+    # The coordinator receives scalars, not the parameters.
+    assert 0 < r["coordinator_bytes_per_iteration"] < r["parameter_bytes"], r

@@ -41,6 +41,7 @@ Seeds: data split 0, model seed 0.
 """
 
 import argparse
+import json
 import os
 import tempfile
 
@@ -71,15 +72,27 @@ def compile_model(model):
     return model
 
 
+def write_result(path, figures):
+    """Writes this run's figures to ``path`` as JSON (NumPy numbers as Python ones)."""
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=2, default=lambda value: value.item())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--result",
+        metavar="PATH",
+        help="write this run's figures as JSON to PATH (the tests read it)",
+    )
     args = parser.parse_args(argv)
     epochs, steps = (3, 80) if args.quick else (6, 100)
 
     with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        for task, devices in cluster.ping().items():
+        alive = cluster.ping()
+        for task, devices in alive.items():
             print(f"{task:<9} alive: {devices[0]}")
         strategy = tfdist_ext.DownpourStrategy(
             cluster.resolver, n_fetch=2, n_push=2, warmstart_steps=20
@@ -121,10 +134,8 @@ def main(argv=None):
             path = os.path.join(tmp, "downpour_digits.keras")
             model.save(path)
             reloaded = keras.models.load_model(path)
-        print(
-            f"Saved and reloaded outside the cluster: accuracy "
-            f"{reloaded.evaluate(test, verbose=0)[1]:.4f}"
-        )
+        reloaded_accuracy = reloaded.evaluate(test, verbose=0)[1]
+        print(f"Saved and reloaded outside the cluster: accuracy {reloaded_accuracy:.4f}")
 
     # The README's claims: accuracy (checked here) and speed (the benchmark).
     close = downpour_accuracy >= baseline_accuracy - 0.02
@@ -136,6 +147,26 @@ def main(argv=None):
         "0.95x one Keras process at n_fetch=n_push=5, 0.34x at 1; "
         "time to accuracy: python -m benchmarks.run downpour"
     )
+    if args.result:
+        write_result(
+            args.result,
+            {
+                "quick": args.quick,
+                "seed": args.seed,
+                "tasks_alive": sorted(alive),
+                "fit_steps": epochs * steps,
+                "downpour_accuracy": downpour_accuracy,
+                "keras_accuracy": baseline_accuracy,
+                "reloaded_accuracy": reloaded_accuracy,
+                "within_2_points": close,
+                "staleness_mean": stats["staleness_mean"],
+                "staleness_max": stats["staleness_max"],
+                "push_bytes_per_step": stats["push_bytes_per_step"],
+                "fetch_bytes_per_step": stats["fetch_bytes_per_step"],
+                "steps_per_worker": strategy.stats.steps_per_worker,
+                "staleness_per_epoch": history.history["staleness_mean"],
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ in a script that every worker runs with its own ``TF_CONFIG`` (see
 ``tests/test_compression_multiworker.py``).
 """
 
+import argparse
+import json
 import os
 import sys
 import tempfile
@@ -45,6 +47,7 @@ def part1_wire_forms():
     print("== 1. What crosses the wire for a 100x100 float32 gradient (40000 bytes) ==")
     grad = tf.random.stateless_normal([100, 100], [SEED, 1])
     step = tf.constant(0, tf.int64)
+    table = {}
     for c in [
         C.NoCompression(),
         C.FP16(),
@@ -62,10 +65,13 @@ def part1_wire_forms():
         back = c.decompress(wire, grad.shape)
         parts = ", ".join(f"{k}: {v.dtype.name}{list(v.shape)}" for k, v in wire.items())
         error = float(tf.norm(back - grad) / tf.norm(grad))
+        nbytes = int(c.wire_bytes(wire))
+        table[type(c).__name__] = {"bytes": nbytes, "relative_error": error}
         print(
-            f"  {type(c).__name__:14s} {int(c.wire_bytes(wire)):6d} bytes  "
+            f"  {type(c).__name__:14s} {nbytes:6d} bytes  "
             f"rel. error {error:5.2f}  wire = {{{parts}}}"
         )
+    return table
 
 
 def part2_error_feedback():
@@ -81,6 +87,7 @@ def part2_error_feedback():
         total += g
     gap = float(tf.reduce_max(tf.abs(sent + state["residual"] - total)))
     print(f"  after 20 steps of 1% top-k: sent + residual == sum of gradients (max gap {gap:.1e})")
+    return gap
 
 
 def make_model():
@@ -134,7 +141,7 @@ def part3_fit(epochs=12):
         f"{stats['dense_bytes'] / 1e6:.2f} MB dense (x{stats['ratio']:.0f}; "
         f"last epoch x{logger.history[-1]['compression_ratio']:.0f})"
     )
-    return strategy, model, acc, dense_acc
+    return strategy, model, acc, dense_acc, logger
 
 
 def part4_checkpoint(strategy, model):
@@ -157,19 +164,52 @@ def part4_checkpoint(strategy, model):
         f"  {len(names)} state tensors (DGC momentum u and velocity v, per replica and "
         f"layer) restored exactly: {same}"
     )
+    return len(names), same
 
 
-def main():
-    part1_wire_forms()
-    part2_error_feedback()
-    strategy, model, acc, dense_acc = part3_fit()
-    part4_checkpoint(strategy, model)
+def write_result(path, figures):
+    """Writes this run's figures to ``path`` as JSON (NumPy numbers as Python ones)."""
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=2, default=lambda value: value.item())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--result",
+        metavar="PATH",
+        help="write this run's figures as JSON to PATH (the tests read it)",
+    )
+    args = parser.parse_args(argv)
+    wire_forms = part1_wire_forms()
+    gap = part2_error_feedback()
+    strategy, model, acc, dense_acc, logger = part3_fit()
+    state_tensors, restored = part4_checkpoint(strategy, model)
     within = acc >= dense_acc - 0.005
     print(
         f"\nVERDICT: DGC 99.9% within 0.5 points of dense: {'yes' if within else 'no'} "
         f"(this run: dense {dense_acc:.3f}, DGC {acc:.3f}, seed {SEED}; README, 3 seeds: "
         "MNIST-1D 0.0, digits -0.3 points)"
     )
+    if args.result:
+        stats = strategy.compression_stats()
+        write_result(
+            args.result,
+            {
+                "wire_forms": wire_forms,  # per compressor: bytes and relative error
+                "error_feedback_max_gap": gap,
+                "epochs_logged": len(logger.history),
+                "dgc_accuracy": acc,
+                "dense_accuracy": dense_acc,
+                "wire_bytes": stats["wire_bytes"],
+                "dense_bytes": stats["dense_bytes"],
+                "compression_ratio": stats["ratio"],
+                "last_epoch_compression_ratio": logger.history[-1]["compression_ratio"],
+                "state_tensors": state_tensors,
+                "restored_exactly": restored,
+                "within_half_point": within,
+            },
+        )
 
 
 if __name__ == "__main__":

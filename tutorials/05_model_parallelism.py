@@ -21,6 +21,8 @@ First the CPU is split into 2 logical devices (before TensorFlow starts), then:
   6. the placement engine on its own (``plan_partition`` + ``apply_plan``).
 """
 
+import argparse
+import json
 import os
 import tempfile
 
@@ -64,7 +66,20 @@ def short(device):
     return device.split("device:")[-1]
 
 
-def main():
+def write_result(path, figures):
+    """Writes this run's figures to ``path`` as JSON (NumPy numbers as Python ones)."""
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=2, default=lambda value: value.item())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--result",
+        metavar="PATH",
+        help="write this run's figures as JSON to PATH (the tests read it)",
+    )
+    args = parser.parse_args(argv)
     x_train, y_train = datasets.digits("train", flatten=True, as_numpy=True)
     x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
 
@@ -84,13 +99,14 @@ def main():
 
     # 2. Variables live on their stage's device; so do the ops of the step.
     print("\n== 2. placement ==")
-    for path, device in placement_report(model).items():
+    placement = placement_report(model)
+    for path, device in placement.items():
         print(f"  {path:28s} {short(device)}")
     step = tf.function(lambda x, y: strategy.run(model.train_step, args=((x, y),)))
     graph = step.get_concrete_function(
         tf.TensorSpec((None, 64)), tf.TensorSpec((None,), tf.int32)
     ).graph
-    per_device = {}
+    per_device = {}  # {(device, op type): count}
     for op in graph.get_operations():
         if op.type in (
             "MatMul",
@@ -148,7 +164,8 @@ def main():
         names[3]: DEVICES[1],
         names[4]: DEVICES[1],
     }
-    print(plan_partition(model, DEVICES, explicit))
+    explicit_plan = plan_partition(model, DEVICES, explicit)
+    print(explicit_plan)
 
     # 4b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget. With
     # splitting off that is an error at plan time, naming the layer ...
@@ -161,9 +178,11 @@ def main():
             ]
         )
 
+    refusal = None
     try:
         plan_partition(wide_model(), DEVICES, device_budget_bytes=800_000, split_large_layers=False)
     except ValueError as e:
+        refusal = str(e)
         print(f"expected refusal (split_large_layers=False), a ValueError at plan time: {e}")
     # ... by default the planner splits it column-wise into as many shards as
     # needed, each shard's variables and matmuls on its own device.
@@ -174,9 +193,10 @@ def main():
         wide.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     wide.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
     print(budgeted.plan)
+    wide_accuracy = wide.evaluate(x_test, y_test, verbose=0)[1]
     print(
         f"'wide' is now a {type(wide.get_layer('wide')).__name__}; test accuracy "
-        f"{wide.evaluate(x_test, y_test, verbose=0)[1]:.3f}"
+        f"{wide_accuracy:.3f}"
     )
     # (In a functional model, write the layer as ColumnParallelDense(4096,
     # num_shards=2) yourself: automatic splitting needs a Sequential model.)
@@ -196,10 +216,10 @@ def main():
                 keras.layers.Dense(10, name="l3"),
             ]
         )
+    created_on = {layer.name: short(layer.kernel.value.device) for layer in large.layers}
     print(
         f"{4 * large.count_params():,} parameter bytes, 300,000 B per device; "
-        "created on: "
-        + ", ".join(f"{layer.name} {short(layer.kernel.value.device)}" for layer in large.layers)
+        "created on: " + ", ".join(f"{name} {device}" for name, device in created_on.items())
     )
     large.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     large.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
@@ -227,15 +247,46 @@ def main():
     plain.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     plain.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0)
     print(plan)
-    print(f"test accuracy {plain.evaluate(x_test, y_test, verbose=0)[1]:.3f}")
+    plain_accuracy = plain.evaluate(x_test, y_test, verbose=0)[1]
+    print(f"test accuracy {plain_accuracy:.3f}")
 
     # The README's claims: gradients equal (checked here), speed (the benchmark).
+    equal = worst < 1e-5
     print(
-        f"\nVERDICT: pipelined gradients equal one device's: {'yes' if worst < 1e-5 else 'no'} "
+        f"\nVERDICT: pipelined gradients equal one device's: {'yes' if equal else 'no'} "
         f"(largest difference / largest gradient {worst:.1e}, seed {SEED}); the README's "
         "pipelining speed-up (1.45x, batch 2048, 4 micro-batches) needs the long run: "
         "python -m benchmarks.run model_parallel"
     )
+    if args.result:
+        ops = {}  # {device: {op type: count}}
+        for (device, op_type), n in per_device.items():
+            ops.setdefault(device, {})[op_type] = n
+        write_result(
+            args.result,
+            {
+                "test_accuracy": acc,
+                "test_loss": loss,
+                "plan": strategy.plan.to_dict(),
+                "placement": {path: short(device) for path, device in placement.items()},
+                "ops_per_device": ops,
+                "pipelined_loss": float(loss4),
+                "one_device_loss": float(ref_loss),
+                "gradient_difference": worst,  # largest difference / largest gradient
+                "gradients_equal": equal,
+                "explicit_plan": explicit_plan.to_dict(),
+                "refusal": refusal,  # the ValueError's message, None if none was raised
+                "wide_plan": budgeted.plan.to_dict(),
+                "wide_layer": type(wide.get_layer("wide")).__name__,
+                "wide_test_accuracy": wide_accuracy,
+                "large_parameter_bytes": 4 * large.count_params(),
+                "large_created_on": created_on,
+                "large_plan": deep.plan.to_dict(),
+                "reloaded_predictions_identical": same,
+                "engine_plan": plan.to_dict(),
+                "engine_test_accuracy": plain_accuracy,
+            },
+        )
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ Seeds: data split 0, model seed 0 (``--seed``).
 """
 
 import argparse
+import json
 import os
 import tempfile
 
@@ -134,10 +135,21 @@ def histogram(values, width=40):
     )
 
 
+def write_result(path, figures):
+    """Writes this run's figures to ``path`` as JSON (NumPy numbers as Python ones)."""
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=2, default=lambda value: value.item())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--result",
+        metavar="PATH",
+        help="write this run's figures as JSON to PATH (the tests read it)",
+    )
     args = parser.parse_args(argv)
     epochs, steps = (2, 60) if args.quick else (5, 100)
 
@@ -175,6 +187,34 @@ def main(argv=None):
         "one run on a small model, not a measurement: the comparison with synchronous "
         "all-reduce is python -m benchmarks.run async_corrections"
     )
+    if args.result:
+        write_result(
+            args.result,
+            {
+                "quick": args.quick,
+                "seed": args.seed,
+                "steps_per_run": epochs * steps,  # throttled steps of each run
+                "runs": {
+                    name: {
+                        "accuracy": accuracy,
+                        "pushes": len(staleness),
+                        "staleness_mean": np.mean(staleness) if staleness else 0.0,
+                        "staleness_max": max(staleness) if staleness else 0,
+                        "steps_per_worker": per_worker,
+                    }
+                    for name, (accuracy, staleness, per_worker) in results.items()
+                },
+                "easgd_reloaded_accuracy": reloaded_accuracy,
+                "downpour_staleness_histogram": np.bincount(
+                    np.asarray(results["Downpour"][1], dtype=int)
+                ).tolist(),
+                "best_correction": best_name,
+                "best_accuracy": best,
+                "downpour_accuracy": plain,
+                "points_over_downpour": 100 * (best - plain),
+                "downpour_mean_staleness": mean_staleness,
+            },
+        )
 
 
 if __name__ == "__main__":
