@@ -8,6 +8,8 @@ cluster or a fresh TensorFlow runtime run their body in a subprocess (see
 directory (``TMPDIR``) and fails if it leaves ``tfdist-ext*`` entries there.
 """
 
+import inspect
+import json
 import os
 import re
 import shutil
@@ -62,6 +64,62 @@ def pytest_sessionfinish(session, exitstatus):
         reporter.write_line(message, red=True)
     else:
         print(message, file=sys.stderr)
+
+
+# -- the fast lane: pytest -m "not cluster" ----------------------------------------
+#
+# A test that starts processes (a cluster, a program, the CLI, a tutorial) is a
+# `cluster` test. It is marked at collection when its body, or a function of its
+# module that it calls, names one of these; and a test left unmarked that starts
+# a process anyway fails, so the fast lane stays fast and the rule stays true.
+_STARTS_PROCESSES = re.compile(
+    r"\b(run_script|script|run_program|run_workers|run_tutorial|tutorial|LocalCluster"
+    r"|subprocess|Popen|_runs|run_in_process)\b"
+)
+_SPAWNED = []  # the current test's process starts (audit events)
+
+
+def _spawns(function, module, seen=None):
+    """Whether ``function``, or a function of ``module`` it names, starts processes."""
+    seen = set() if seen is None else seen
+    if function in seen:
+        return False
+    seen.add(function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if _STARTS_PROCESSES.search(source):
+        return True
+    names = set(re.findall(r"\b([A-Za-z_]\w*)\(", source))
+    helpers = (getattr(module, n, None) for n in names)
+    return any(inspect.isfunction(h) and _spawns(h, module, seen) for h in helpers)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and _spawns(function, item.module):
+            item.add_marker(pytest.mark.cluster)
+
+
+def _audit(event, args):
+    if event == "subprocess.Popen":
+        _SPAWNED.append(args[1] if len(args) > 1 else args)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    del _SPAWNED[:]
+    yield
+    if _SPAWNED and item.get_closest_marker("cluster") is None:
+        pytest.fail(
+            f"{item.nodeid} started a process ({_SPAWNED[0]!r}) but is not a cluster "
+            "test: mark it @pytest.mark.cluster (tests/conftest.py explains the lanes)"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -202,6 +260,14 @@ def run_tutorial(filename, *args, timeout):
 
 
 @pytest.fixture
-def tutorial():
-    """The ``run_tutorial`` helper as a fixture."""
-    return run_tutorial
+def tutorial(tmp_path):
+    """Runs a tutorial (``run_tutorial``) with ``--result`` a file in ``tmp_path``
+    and returns the figures it wrote there (a dict): tests check those, not
+    the sentences it prints (shown, as captured output, when a test fails)."""
+
+    def run(filename, *args, timeout):
+        result = tmp_path / "result.json"
+        print(run_tutorial(filename, *args, "--result", str(result), timeout=timeout))
+        return json.loads(result.read_text())
+
+    return run
