@@ -6,11 +6,14 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
 
+from tests.programs import REPO
+from tests.programs import program_command
+from tests.programs import result_of
+from tests.programs import run_program
 from tfdist_ext.cluster import ClusterError
 from tfdist_ext.cluster import ClusterTimeoutError
 from tfdist_ext.cluster import LocalCluster
@@ -94,19 +97,16 @@ def test_teardown_when_body_raises():
 def test_no_orphans_when_parent_is_killed():
     # A parent process starts a cluster, prints the task pids and hangs; we
     # SIGKILL it (no chance to clean up) and check with ps that no task is left.
-    source = textwrap.dedent("""
-        import time
-        from tfdist_ext.cluster import LocalCluster
-        cluster = LocalCluster(num_workers=2, num_ps=1).start()
-        print(" ".join(map(str, cluster.pids())), flush=True)
-        time.sleep(600)
-    """)
     parent = subprocess.Popen(
-        [sys.executable, "-c", source], stdout=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL
+        program_command("cluster_cases", "hold_cluster"),
+        stdout=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        cwd=REPO,
     )
     try:
         line = parent.stdout.readline()
-        pids = [int(p) for p in line.split()]
+        pids = (result_of(line) or {}).get("pids", [])
         assert len(pids) == 3, line
         assert not any(_gone(p) for p in pids)
     finally:
@@ -160,7 +160,7 @@ def test_task_that_cannot_start_reports_its_output(monkeypatch):
     monkeypatch.setattr(
         LocalCluster,
         "_argv",
-        lambda self, job: [sys.executable, "-c", "import sys; sys.exit('injected failure')"],
+        lambda self, job: program_command("stand_ins", "fail"),
     )
     cluster = LocalCluster(num_workers=1, num_ps=0)
     with pytest.raises(ClusterError, match="worker:0 exited with status 1(.|\\n)*injected failure"):
@@ -174,7 +174,7 @@ def test_start_deadline_is_enforced(monkeypatch):
     monkeypatch.setattr(
         LocalCluster,
         "_argv",
-        lambda self, job: [sys.executable, "-c", "import time; time.sleep(60)"],
+        lambda self, job: program_command("stand_ins", "sleep", 60),
     )
     cluster = LocalCluster(num_workers=1, num_ps=0, start_timeout=2)
     start = time.monotonic()
@@ -209,31 +209,14 @@ def test_unknown_task_is_a_clear_error():
 
 
 @pytest.mark.timeout(200)
-def test_talk_to_every_task_through_tensorflow(script):
+def test_talk_to_every_task_through_tensorflow():
     # The chief connects with TensorFlow's own runtime, runs an op on every
     # task, then a killed worker gives an error (not a hang) while the others
     # keep answering.
-    proc = script(
-        """
-        import tensorflow as tf
-        from tfdist_ext.cluster import LocalCluster
-        from tfdist_ext.cluster import connect
-        with LocalCluster(num_workers=2, num_ps=1) as cluster:
-            connect(cluster.resolver)
-            for job, n in (("worker", 2), ("ps", 1)):
-                for i in range(n):
-                    with tf.device(f"/job:{job}/replica:0/task:{i}/device:CPU:0"):
-                        x = tf.constant([1.0, 2.0]) * (i + 1)
-                    print(job, i, x.device, x.numpy().tolist(), flush=True)
-        print("DONE", flush=True)
-    """,
-        timeout=180,
-    )
-    out = proc.stdout
-    assert "worker 0 /job:worker/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in out
-    assert "worker 1 /job:worker/replica:0/task:1/device:CPU:0 [2.0, 4.0]" in out
-    assert "ps 0 /job:ps/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in out
-    assert "DONE" in out
+    seen = run_program("cluster_cases", "talk_to_tasks", timeout=180)["seen"]
+    assert "worker 0 /job:worker/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in seen
+    assert "worker 1 /job:worker/replica:0/task:1/device:CPU:0 [2.0, 4.0]" in seen
+    assert "ps 0 /job:ps/replica:0/task:0/device:CPU:0 [1.0, 2.0]" in seen
 
 
 _START_UP_NOISE = ("absl::InitializeLog", "oneDNN custom operations")
@@ -329,7 +312,7 @@ def test_server_is_quiet_warns_and_stops_on_ctrl_c():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("byte", ["written", "lost"])
-def test_server_wait_ends_on_a_signal_another_thread_took(script, byte):
+def test_server_wait_ends_on_a_signal_another_thread_took(byte):
     # The CI failure of 2026-11-26: Ctrl-C just after READY, taken by one of
     # TensorFlow's threads, left the server's main thread blocked for good.
     # CPython's C handler runs in the thread the kernel picks and only marks
@@ -339,40 +322,9 @@ def test_server_wait_ends_on_a_signal_another_thread_took(script, byte):
     # main thread holds the GIL; then the server's wait starts. "written":
     # the wakeup pipe (set up before READY) has the handler's byte;
     # "lost": no byte (a signal before the pipe existed), the poll ends it.
-    proc = script(
-        f"""
-        import os, signal, sys, threading, time, traceback
-        from tfdist_ext import server
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.siginterrupt(signal.SIGINT, False)
-        idle, _ = os.pipe()
-        taker = threading.Thread(target=os.read, args=(idle, 1), daemon=True)
-        taker.start()
-        time.sleep(0.2)
-        wakeup = server._signal_wakeup()
-        if {byte!r} == "lost":
-            signal.set_wakeup_fd(-1)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGINT}})
-        # On a loaded machine the main thread may run the handler before the
-        # wait starts (the scenario did not happen): try again, at most 3 times.
-        for attempt in range(3):
-            try:
-                signal.pthread_kill(taker.ident, signal.SIGINT)
-                end = time.monotonic() + 0.3
-                while time.monotonic() < end:  # holds the GIL
-                    pass
-                # "written" can only end by the byte (a poll past the deadline).
-                poll = 600 if {byte!r} == "written" else 0.5
-                server._wait_for_a_signal(object(), wakeup, poll_seconds=poll)
-            except KeyboardInterrupt:
-                where = traceback.extract_tb(sys.exc_info()[2])[-1].name
-                if where == "_wait_for_a_signal" or attempt == 2:
-                    print("interrupted in", where)
-                    break
-        """,
-        timeout=30,
-    )
-    assert proc.stdout.split() == ["interrupted", "in", "_wait_for_a_signal"], proc.stdout
+    # The scenario: tests/programs/cluster_cases.py's server_wait.
+    r = run_program("cluster_cases", "server_wait", byte, timeout=30)
+    assert r == {"interrupted_in": "_wait_for_a_signal"}, r
 
 
 @pytest.mark.timeout(120)
@@ -384,49 +336,27 @@ def test_throttle_keeps_cycling_while_this_process_holds_the_gil():
     # task's state (/proc) while this one holds the GIL.
     import re as regex
 
-    observer = textwrap.dedent(
-        """
-        import collections, sys, time
-        pid, seconds = int(sys.argv[1]), float(sys.argv[2])
-        seen = collections.Counter()
-        end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            with open(f"/proc/{pid}/stat") as f:
-                seen[f.read().rsplit(")", 1)[1].split()[0]] += 1
-            time.sleep(0.002)
-        print(seen["T"], sum(seen.values()))
-        """
-    )
     with LocalCluster(num_workers=1, num_ps=0) as cluster:
         pid = cluster.pid("worker", 0)
         with cluster.throttle("worker", 0, slowdown=4, period=0.05):
             time.sleep(0.2)
             watch = subprocess.Popen(
-                [sys.executable, "-c", observer, str(pid), "1.0"], stdout=subprocess.PIPE, text=True
+                program_command("stand_ins", "observe", pid, 1.0),
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
             )
             # One call of about 2 s that holds the GIL throughout (the
             # observer's second starts within it).
             regex.match(r"(a+)+$", "a" * 26 + "b")
-            stopped, samples = map(int, watch.communicate(timeout=30)[0].split())
+            observed = result_of(watch.communicate(timeout=30)[0])
+            stopped, samples = observed["stopped"], observed["samples"]
         # Stopped about 3/4 of the time, running the rest, while the GIL was held.
         assert samples > 50 and 0.4 < stopped / samples < 0.97, (stopped, samples)
         # Continued after the block, and it answers.
         with open(f"/proc/{pid}/stat") as f:
             assert f.read().rsplit(")", 1)[1].split()[0] != "T"
         assert cluster.ping()["worker:0"]
-
-
-_ALLOCATOR = (
-    "import os\n"
-    "import tensorflow as tf\n"
-    "x = tf.ones([1 << 20])\n"
-    "try:\n"
-    "    pool = tf.config.experimental.get_memory_info('CPU:0')['peak'] >= 4 << 20\n"
-    "except ValueError:\n"
-    "    pool = False\n"
-    "print('ALLOCATOR', 'pool' if pool else 'default')\n"
-    "print('USE_BFC', os.environ.get('TF_CPU_ALLOCATOR_USE_BFC'))\n"
-)
 
 
 @functools.cache
@@ -437,19 +367,17 @@ def _tensorflow_honours_use_bfc_false():
     machine), TensorFlow pools whatever the variable says, so only the
     variable's arrival in the task can be checked there.
     """
-    env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="false")
-    out = subprocess.run(
-        [sys.executable, "-c", _ALLOCATOR], env=env, capture_output=True, text=True, timeout=90
-    )
-    return "ALLOCATOR default" in out.stdout
+    env = {"TF_CPU_ALLOCATOR_USE_BFC": "false"}
+    return run_program("stand_ins", "allocator", env=env, timeout=90)["allocator"] == "default"
 
 
 def _assert_allocator(output, use_bfc, allocator):
-    """The task saw ``TF_CPU_ALLOCATOR_USE_BFC=use_bfc`` and, where TensorFlow honours it, got
-    ``allocator``."""
-    assert f"USE_BFC {use_bfc}" in output, output[-2000:]
+    """The task (``stand_ins allocator``, its ``output``) saw
+    ``TF_CPU_ALLOCATOR_USE_BFC=use_bfc`` and, where TensorFlow honours it, got ``allocator``."""
+    seen = result_of(output)
+    assert seen and seen["use_bfc"] == use_bfc, output[-2000:]
     if allocator == "pool" or _tensorflow_honours_use_bfc_false():
-        assert f"ALLOCATOR {allocator}" in output, output[-2000:]
+        assert seen["allocator"] == allocator, output[-2000:]
 
 
 @pytest.mark.timeout(180)
@@ -461,7 +389,7 @@ def test_tasks_get_tensorflows_pooling_cpu_allocator(monkeypatch, env, use_bfc, 
     # TensorFlow's BFC allocator keeps statistics, the default one has none:
     # a task's tensors come from the pool unless the cluster's env says not.
     monkeypatch.delenv("TF_CPU_ALLOCATOR_USE_BFC", raising=False)
-    command = [sys.executable, "-c", _ALLOCATOR]
+    command = program_command("stand_ins", "allocator")
     with LocalCluster(num_workers=1, num_ps=0, chief=False, command=command, env=env) as cluster:
         assert cluster.wait(timeout=90) == {"worker:0": 0}
         _assert_allocator(cluster.output("worker", 0), use_bfc, allocator)
@@ -472,7 +400,7 @@ def test_a_users_allocator_choice_is_kept(monkeypatch):
     from tfdist_ext.cluster._tf_config import set_task_env_defaults
 
     monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "false")
-    command = [sys.executable, "-c", _ALLOCATOR]
+    command = program_command("stand_ins", "allocator")
     with LocalCluster(num_workers=1, num_ps=0, chief=False, command=command) as cluster:
         assert cluster.wait(timeout=90) == {"worker:0": 0}
         _assert_allocator(cluster.output("worker", 0), "false", "default")

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from conftest import REPO
+from tests.programs import run_program
 
 PACKAGE = os.path.join(REPO, "tfdist_ext")
 PRIVATE_IMPORT = re.compile(r"^\s*(from|import)\s+(keras\.src|tensorflow\.python)\b", re.M)
@@ -63,108 +64,60 @@ def test_no_os_exit_in_the_package():
         ("tensorflow.python.ops.collective_ops.all_reduce_v2", "all_reduce_v2 is missing"),
     ],
 )
-def test_a_renamed_keras_internal_fails_at_import_with_one_clear_message(script, removed, named):
+def test_a_renamed_keras_internal_fails_at_import_with_one_clear_message(removed, named):
     # Simulates a Keras release that renamed one of the internals we rely on:
     # loading a strategy must fail at once, naming the versions and the symbol,
     # instead of a strategy silently skipping its hook later.
-    module, cls, attr = removed.rsplit(".", 2)
-    change = f"""
-import importlib, sys
-owner = getattr(importlib.import_module({module!r}), {cls!r})
-for klass in getattr(owner, "__mro__", (owner,)):  # a class, or a module
-    if {attr!r} in vars(klass):
-        delattr(klass, {attr!r})
-"""
-    _assert_one_clear_import_error(script, change, named)
+    _assert_one_clear_import_error(("removed", removed), named)
 
 
-def _assert_one_clear_import_error(script, change, named):
-    """Runs ``change`` (Python source), then loads a strategy: it must raise the
-    one ImportError naming ``named`` and the tested versions."""
-    proc = script(
-        change
-        + """
-import tfdist_ext   # light: TensorFlow-backed parts load on first use
-try:
-    tfdist_ext.DownpourStrategy
-except ImportError as e:
-    print("IMPORT_ERROR", e)
-else:
-    print("IMPORTED")
-""",
-        timeout=120,
-    )
-    out = proc.stdout
-    assert "IMPORT_ERROR" in out, out
-    assert named in out
-    assert "tfdist_ext does not support Keras" in out and "tested: Keras" in out
+def _assert_one_clear_import_error(change, named):
+    """Runs ``integration_cases`` with the arguments ``change`` (a case that
+    changes an internal, then loads a strategy): it must raise the one
+    ImportError naming ``named`` and the tested versions."""
+    error = run_program("integration_cases", *change, timeout=120)["import_error"]
+    assert error is not None, "the strategy loaded"
+    assert named in error
+    assert "tfdist_ext does not support Keras" in error and "tested: Keras" in error
 
 
-# Replaces a method by one that calls it, with source of its own: as a release
-# whose method no longer sets (or contains) what the package reads.
-REWRITE = """
-def rewrite(module, cls, name):
-    import importlib
-
-    owner = getattr(importlib.import_module(module), cls)
-    original = getattr(owner, name)
-
-    def method(self, *args, **kwargs):
-        return original(self, *args, **kwargs)
-
-    method.__module__, method.__qualname__ = original.__module__, original.__qualname__
-    setattr(owner, name, method)
-"""
-
-UNREGISTER_SHARDED_CONVERSION = """
-from tensorflow.python.distribute.sharded_variable import ShardedVariable
-from tensorflow.python.framework import tensor_conversion_registry as registry
-for funcs in registry._tensor_conversion_func_registry.values():
-    funcs[:] = [(base, f) for base, f in funcs if base is not ShardedVariable]
-registry._tensor_conversion_func_cache.clear()
-"""
-
-
+# Each change replaces a method by one that calls it, with source of its own
+# (tests/programs/integration_cases.py's rewritten): as a release whose method no
+# longer sets (or contains) what the package reads.
 @pytest.mark.parametrize(
     "change, named",
     [
         # LinearScalingWarmup reads the rate an optimizer was given.
         (
-            "rewrite('keras.src.optimizers.base_optimizer', 'BaseOptimizer', '__init__')",
+            ("rewritten", "keras.src.optimizers.base_optimizer", "BaseOptimizer", "__init__"),
             "BaseOptimizer.__init__ no longer sets _learning_rate",
         ),
         # apply_goyal_recipe reads a functional model's graph backwards.
         (
-            "rewrite('keras.src.ops.operation', 'Operation', '__init__')",
+            ("rewritten", "keras.src.ops.operation", "Operation", "__init__"),
             "Operation.__init__ no longer sets _inbound_nodes",
         ),
         (
-            "rewrite('keras.src.ops.node', 'Node', '__init__')",
+            ("rewritten", "keras.src.ops.node", "Node", "__init__"),
             "Node.__init__ no longer contains 'tensor._keras_history = KerasHistory('",
         ),
         # ModelParallelStrategy's extended places on TensorFlow's own device.
         (
-            "rewrite('tensorflow.python.distribute.one_device_strategy', "
-            "'OneDeviceExtended', '__init__')",
+            (
+                "rewritten",
+                "tensorflow.python.distribute.one_device_strategy",
+                "OneDeviceExtended",
+                "__init__",
+            ),
             "OneDeviceExtended.__init__ no longer sets _device",
         ),
         # Keras saving reads a split variable as one array.
-        (UNREGISTER_SHARDED_CONVERSION, "ShardedVariable no longer converts to one tensor"),
+        (("unregister_sharded",), "ShardedVariable no longer converts to one tensor"),
     ],
     ids=["learning_rate", "inbound_nodes", "keras_history", "one_device", "sharded_variable"],
 )
-def test_a_rewritten_internal_fails_at_import_with_one_clear_message(
-    script, tmp_path, change, named
-):
-    (tmp_path / "rewritten.py").write_text(REWRITE)
-    setup = f"""
-import sys
-sys.path.insert(0, {str(tmp_path)!r})
-import keras
-from rewritten import rewrite
-{change}
-"""
-    _assert_one_clear_import_error(script, setup, named)
+def test_a_rewritten_internal_fails_at_import_with_one_clear_message(change, named):
+    _assert_one_clear_import_error(change, named)
 
 
 def test_the_doors_accessors_read_what_keras_and_tensorflow_hold():

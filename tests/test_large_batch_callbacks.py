@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.programs import run_program
 from tfdist_ext.callbacks import LinearScalingWarmup
 from tfdist_ext.callbacks import MomentumCorrection
 from tfdist_ext.schedules import LinearScaling
@@ -179,94 +180,25 @@ def test_callback_with_momentum_correction_option():
 
 
 @pytest.mark.timeout(240)
-def test_reads_the_replicas_of_mirrored_strategy(script):
-    proc = script(
-        """
-        from tfdist_ext.cluster import logical_cpus
-        devices = logical_cpus(2)
-        import keras, numpy as np, tensorflow as tf
-        from tfdist_ext.callbacks import LinearScalingWarmup, MomentumCorrection
-        strategy = tf.distribute.MirroredStrategy(devices)
-        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-        y = (x[:, 0] > 0).astype("int32")
-        with strategy.scope():
-            m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
-            m.compile(optimizer=keras.optimizers.SGD(0.5, momentum=0.9),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        cb = LinearScalingWarmup(0.01, base_batch_size=8, per_replica_batch_size=8,
-                                 warmup_epochs=1, momentum_correction=True)
-        rates = []
-        probe = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: rates.append(
-            float(keras.ops.convert_to_numpy(m.optimizer.learning_rate))))
-        h = m.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb, probe])
-        print("GLOBAL", cb.global_batch_size, "SCALE", cb.schedule.scale)
-        print("RATES", " ".join(f"{r:.6f}" for r in rates))
-        print("LOGGED", h.history["learning_rate"])
-        print("CORR", cb.corrections)
-    """,
-        timeout=200,
-    )
-    out = proc.stdout
-    assert "GLOBAL 16 SCALE 2.0" in out
-    rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
-    np.testing.assert_allclose(rates, [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
-    assert "CORR 4" in out
+def test_reads_the_replicas_of_mirrored_strategy():
+    r = run_program("large_batch_cases", "mirrored", timeout=200)
+    assert r["global"] == 16 and r["scale"] == 2.0, r
+    np.testing.assert_allclose(r["rates"], [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
+    assert r["corrections"] == 4
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "make, per_replica",
-    [
-        ("tfdist_ext.CompressedMirroredStrategy(devices, compression='fp16')", 8),
-        ("tfdist_ext.ModelParallelStrategy(devices)", 16),
-    ],
+    "strategy, per_replica", [("compressed_mirrored", 8), ("model_parallel", 16)]
 )
-def test_works_under_the_package_strategies(script, make, per_replica):
+def test_works_under_the_package_strategies(strategy, per_replica):
     # Same rule, same rates under the package's own strategies: the callback
     # reads their replica count (2 for the compressed mirrored strategy, 1
     # for the model-parallel one), and the schedule trains the model too.
-    proc = script(
-        f"""
-        from tfdist_ext.cluster import logical_cpus
-        devices = logical_cpus(2)
-        import keras, numpy as np, tensorflow as tf
-        import tfdist_ext
-        from tfdist_ext.callbacks import LinearScalingWarmup
-        from tfdist_ext.schedules import LinearScaling
-        strategy = {make}
-        x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
-        y = (x[:, 0] > 0).astype("int32")
-        def build(optimizer):
-            m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"),
-                                  keras.layers.Dense(2)])
-            m.compile(optimizer=optimizer,
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-            return m
-        with strategy.scope():
-            m = build(keras.optimizers.SGD(0.5))
-        cb = LinearScalingWarmup(0.01, base_batch_size=8, per_replica_batch_size={per_replica},
-                                 warmup_epochs=1)
-        rates = []
-        probe = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: rates.append(
-            float(keras.ops.convert_to_numpy(m.optimizer.learning_rate))))
-        m.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb, probe])
-        print("GLOBAL", cb.global_batch_size, "SCALE", cb.schedule.scale)
-        print("RATES", " ".join(f"{{r:.6f}}" for r in rates))
-        schedule = LinearScaling(0.01, base_batch_size=8, batch_size=16, warmup_epochs=1,
-                                 steps_per_epoch=4)
-        with strategy.scope():
-            s = build(keras.optimizers.SGD(schedule))
-        h = s.fit(x, y, batch_size=16, epochs=2, verbose=0)
-        print("SCHEDULED", round(float(keras.ops.convert_to_numpy(s.optimizer.learning_rate)), 6),
-              int(s.optimizer.iterations.numpy()), h.history["loss"][-1] > 0)
-    """,
-        timeout=200,
-    )
-    out = proc.stdout
-    assert "GLOBAL 16 SCALE 2.0" in out, out
-    rates = [float(v) for v in out.split("RATES ")[1].split("\n")[0].split()]
-    np.testing.assert_allclose(rates, [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
-    assert "SCHEDULED 0.02 8 True" in out
+    r = run_program("large_batch_cases", "package", strategy, per_replica, timeout=200)
+    assert r["global"] == 16 and r["scale"] == 2.0, r
+    np.testing.assert_allclose(r["rates"], [0.01, 0.0125, 0.015, 0.0175] + [0.02] * 4, rtol=1e-5)
+    assert (r["scheduled_rate"], r["iterations"], r["loss_positive"]) == (0.02, 8, True), r
 
 
 def test_benchmark_sgd_is_sgd_with_momentum_correction_at_any_steps_per_execution():

@@ -1,13 +1,12 @@
 """LARS: the update against a NumPy reference, exclusions, validation, serialisation, fit,
 MirroredStrategy and mixed precision."""
 
-import os
-
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.programs import run_program
 from tfdist_ext import datasets
 from tfdist_ext.optimizers import LARS
 from tfdist_ext.schedules import LinearScaling
@@ -222,7 +221,7 @@ def test_fit_on_digits_reduces_the_loss():
     assert history["accuracy"][-1] > 0.85
 
 
-def test_save_and_load_keeps_the_optimizer(tmp_path, script):
+def test_save_and_load_keeps_the_optimizer(tmp_path):
     x, y = _digits()
     keras.utils.set_random_seed(0)
     model = _digits_model()
@@ -242,63 +241,26 @@ def test_save_and_load_keeps_the_optimizer(tmp_path, script):
     # A fresh process finds LARS once tfdist_ext.optimizers is imported (the
     # registration runs there; ``import tfdist_ext`` alone imports subpackages
     # lazily), with no custom_objects; with Keras alone it cannot.
-    load = f"import keras\nm = keras.models.load_model({path!r})\nprint(type(m.optimizer).__name__)"
-    ok = script("import tfdist_ext.optimizers\n" + load, timeout=90)
-    assert ok.stdout.strip().endswith("LARS")
-    bare = script(load, timeout=90, expect_ok=False)
+    ok = run_program("saved_optimizers", "load_with_optimizers", path, timeout=90)
+    assert ok["optimizer"] == "LARS"
+    bare = run_program(
+        "saved_optimizers", "load_with_keras_alone", path, timeout=90, expect_ok=False
+    )
     assert bare.returncode != 0 and "Could not locate class 'LARS'" in bare.stderr
 
 
-def _dense_model(seed):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(16), keras.layers.Dense(10)])
-
-
-def _fit_weights(strategy, x, y, steps=6):
-    with strategy.scope():
-        model = _dense_model(0)
-        model.compile(
-            optimizer=LARS(1.0, momentum=0.9, weight_decay=1e-3),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).take(steps)
-    model.fit(ds, epochs=1, verbose=0, shuffle=False)
-    return [w.numpy() for w in model.trainable_weights]
-
-
 @pytest.mark.timeout(300)
-def test_mirrored_strategy_matches_one_device(script):
+def test_mirrored_strategy_matches_one_device():
     # In a fresh interpreter: a plain tf.distribute.MirroredStrategy restarts
     # TensorFlow's collective keys at the first group and instance, which the
     # process caches for its life, so it would collide with the strategies of
     # later tests in this process (TensorFlow's bug; see docs/architecture.md).
-    proc = script(
-        f"""
-        import sys
-        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
-        import numpy as np
-        import tensorflow as tf
-        from tfdist_ext.cluster import logical_cpus
-        from tfdist_ext.compression import CompressedMirroredStrategy
-        from test_lars import _dense_model, _digits, _fit_weights
-
-        devices = logical_cpus(2)
-        x, y = _digits()
-        one = _fit_weights(tf.distribute.OneDeviceStrategy(devices[0]), x, y)
-        start = [w.numpy() for w in _dense_model(0).trainable_weights]
-        assert min(np.abs(a - b).max() for a, b in zip(one, start)) > 1e-3  # training moved them
-        for strategy in (
-            tf.distribute.MirroredStrategy(devices[:2]),
-            CompressedMirroredStrategy(devices[:2]),  # dense: no compressor
-        ):
-            got = _fit_weights(strategy, x, y)
-            for a, b in zip(got, one):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
-        print("MATCH")
-        """,
-        timeout=280,
-    )
-    assert "MATCH" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+    r = run_program("lars_cases", "mirrored_matches_one_device", timeout=280)
+    assert r["moved"] > 1e-3  # training moved them
+    one = r["weights"]["one_device"]
+    for strategy in ("mirrored", "compressed_mirrored"):
+        for a, b in zip(r["weights"][strategy], one):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6)
 
 
 def test_mixed_precision_wraps_it_in_a_loss_scale_optimizer():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tests.programs import run_program
 from tfdist_ext.layers import IndependentBatchNormalization
 
 pytestmark = pytest.mark.timeout(120)
@@ -114,70 +115,15 @@ def test_save_and_load_model_round_trip(tmp_path):
     assert clone.virtual_batch_size == 4
 
 
-REPLICAS_SCRIPT = """
-from tfdist_ext.cluster import logical_cpus
-devices = logical_cpus(4)
-import keras, numpy as np, tensorflow as tf
-from tfdist_ext.layers import IndependentBatchNormalization
-
-n = 8
-mirrored = tf.distribute.MirroredStrategy(devices)
-rng = np.random.default_rng(0)
-x = (rng.normal(size=(4 * n * 6, 10)) + np.repeat(np.arange(24), n)[:, None] * 0.3
-     ).astype("float32")
-y = (x[:, 0] + x[:, 1] > x[:, 2]).astype("int32")
-
-def build(norm):
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([keras.Input((10,)), keras.layers.Dense(16, name="d1"),
-                             norm(), keras.layers.ReLU(), keras.layers.Dense(2)])
-
-norms = {
-    "independent": lambda: IndependentBatchNormalization(virtual_batch_size=n, momentum=0.5,
-                                                         name="bn"),
-    "plain": lambda: keras.layers.BatchNormalization(momentum=0.5, name="bn"),
-    "sync": lambda: keras.layers.BatchNormalization(momentum=0.5, synchronized=True,
-                                                    name="bn"),
-}
-for name, norm in norms.items():
-    results = {}
-    for system, strategy in (("1x4n", tf.distribute.get_strategy()), ("4xn", mirrored)):
-        with strategy.scope():
-            model = build(norm)
-            model.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        # Same global batches of 4n in the same order; under MirroredStrategy
-        # fit splits each into 4 contiguous per-replica slices of n.
-        # (train_on_batch would not split it.)
-        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(4 * n, drop_remainder=True)
-        model.fit(ds, epochs=1, verbose=0)
-        bn = model.get_layer("bn")
-        copies = [np.asarray(c) for c in
-                  getattr(bn.moving_mean.value, "values", [bn.moving_mean.value])]
-        results[system] = (model.get_weights(), copies)
-    (w1, c1), (w4, c4) = results["1x4n"], results["4xn"]
-    weight_diff = max(float(np.abs(a - b).max()) for a, b in zip(w1, w4))
-    spread = max(float(np.abs(c - c4[0]).max()) for c in c4)
-    stat_diff = float(np.abs(c1[0] - c4[0]).max())
-    print(f"RESULT {name} weight_diff={weight_diff:.3g} spread={spread:.3g} "
-          f"stat_diff={stat_diff:.3g} copies={len(c4)}")
-"""
-
-
 @pytest.mark.timeout(280)
-def test_one_replica_4n_equals_four_replicas_n_only_with_independent_bn(script):
+def test_one_replica_4n_equals_four_replicas_n_only_with_independent_bn():
     """1 replica x 4n vs MirroredStrategy 4 x n on logical CPUs, 6 training steps.
 
     Few steps on purpose: SGD on a net amplifies float rounding differences
     (the all-reduce order) chaotically over hundreds of steps.
     """
-    proc = script(REPLICAS_SCRIPT, timeout=260)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, name, *pairs = line.split()
-            results[name] = {k: float(v) for k, v in (p.split("=") for p in pairs)}
-    assert set(results) == {"independent", "plain", "sync"}, proc.stdout
+    results = run_program("batchnorm_cases", "replicas", timeout=260)
+    assert set(results) == {"independent", "plain", "sync"}, results
     ibn, plain, sync = results["independent"], results["plain"], results["sync"]
     assert ibn["copies"] == 4
     # Independent BN: same statistics per group, same moving statistics, same

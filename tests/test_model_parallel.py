@@ -13,6 +13,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
+from tests.programs import result_of  # noqa: E402
+from tests.programs import run_program  # noqa: E402
 from tfdist_ext import datasets  # noqa: E402
 from tfdist_ext.model_parallel import ColumnParallelDense  # noqa: E402
 from tfdist_ext.model_parallel import ModelParallelStrategy  # noqa: E402
@@ -282,32 +284,17 @@ def _executed_on(lines, op_types):
     return sorted(out)
 
 
-def test_executed_ops_run_on_planned_devices(script):
+def test_executed_ops_run_on_planned_devices():
     """TensorFlow's own placement log of the ops a (run_eagerly) fit executes."""
-    proc = script(
-        """
-        import sys
-        import tensorflow as tf
-        tf.debugging.set_log_device_placement(True)  # must precede TF's start-up
-        from tfdist_ext.cluster import logical_cpus
-        devices = logical_cpus(2)
-        import numpy as np, keras
-        from tfdist_ext.model_parallel import ModelParallelStrategy
-        strategy = ModelParallelStrategy(devices, partition={"first": devices[0], "second": devices[1]})
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="first"),
-                                      keras.layers.Dense(2, name="second")])
-            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          run_eagerly=True)
-        x = np.ones((8, 4), "float32"); y = np.zeros((8,), "int32")
-        strategy.place(model)
-        print("START", file=sys.stderr, flush=True)
-        model.fit(x, y, batch_size=8, epochs=1, verbose=0)
-        print("END", file=sys.stderr, flush=True)
-    """,
+    # Its stderr is what is checked: the log between the program's START and END.
+    proc = run_program(
+        "model_parallel_cases",
+        "placement_log",
         timeout=120,
         env={"TF_CPP_MIN_LOG_LEVEL": "0"},
+        expect_ok=False,
     )
+    assert proc.returncode == 0 and result_of(proc.stdout), proc.stderr[-8000:]
     text = proc.stderr
     lines = text[text.index("START") : text.index("END")].splitlines()
     # first: forward + d(kernel); second: forward + d(input) + d(kernel)

@@ -1,43 +1,28 @@
 """LocalCluster's isolated network: namespaces, link rates, nothing in the host's
 network, nothing left after a crash, clear refusals, SPMD programs."""
 
-import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
-import textwrap
 import time
 
 import pytest
 
+from tests.programs import REPO
+from tests.programs import program_command
+from tests.programs import result_of
+from tests.programs import run_program
 from tfdist_ext.cluster import ClusterError
 from tfdist_ext.cluster import LocalCluster
 from tfdist_ext.cluster._netns import missing_requirements
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 needs_isolation = pytest.mark.skipif(
     bool(missing_requirements()),
     reason="needs root or CAP_NET_ADMIN+CAP_SYS_ADMIN and ip/tc: "
     + "; ".join(missing_requirements()),
 )
-
-# A task that takes N bytes, acknowledges them with one byte, then sends N back.
-SINK = textwrap.dedent("""
-    import json, os, socket
-    port = int(json.loads(os.environ["TF_CONFIG"])["cluster"]["worker"][0].split(":")[1])
-    server = socket.create_server(("0.0.0.0", port))
-    conn, _ = server.accept()
-    n = int(conn.recv(16).decode())
-    got = 0
-    while got < n:
-        got += len(conn.recv(1 << 20))
-    conn.sendall(b"k")
-    conn.sendall(b"x" * n)
-    conn.close()
-""")
 
 
 def _connect(address, deadline):
@@ -82,7 +67,8 @@ def test_link_rate_both_directions(bandwidth, bits):
         num_ps=0,
         chief=False,
         bandwidth=bandwidth,
-        command=[sys.executable, "-c", SINK],
+        # A task that takes N bytes, acknowledges them with one byte, then sends N back.
+        command=program_command("stand_ins", "sink"),
     )
     with cluster:
         upload, download = _transfer_times(cluster.address("worker", 0), nbytes)
@@ -95,40 +81,10 @@ def test_link_rate_both_directions(bandwidth, bits):
 
 @needs_isolation
 @pytest.mark.timeout(240)
-def test_tensorflow_transfer_between_tasks_at_link_rate(script):
+def test_tensorflow_transfer_between_tasks_at_link_rate():
     # A 10 MB variable on /job:ps read by an op on /job:worker crosses the
     # ps task's link and the worker's (both at 100 Mbit/s): 0.84 s of bytes.
-    proc = script(
-        """
-        import json, time
-        import tensorflow as tf
-        from tfdist_ext.cluster import LocalCluster, connect
-        with LocalCluster(num_workers=1, num_ps=1, bandwidth="100mbit") as cluster:
-            connect(cluster.resolver)
-            with tf.device("/job:ps/task:0"):
-                v = tf.Variable(tf.ones([2_621_440]))   # 10 MiB of float32
-                small = tf.Variable(tf.ones([4]))
-
-            @tf.function
-            def pull(var):
-                with tf.device("/job:worker/task:0"):
-                    return tf.reduce_sum(tf.identity(var))
-
-            pull(small).numpy()
-            times = []
-            for _ in range(3):
-                start = time.monotonic()
-                pull(v).numpy()
-                times.append(time.monotonic() - start)
-            start = time.monotonic()
-            pull(small).numpy()
-            overhead = time.monotonic() - start
-        print("RESULT " + json.dumps({"times": times, "overhead": overhead}), flush=True)
-    """,
-        timeout=220,
-    )
-    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-    r = json.loads(line[len("RESULT ") :])
+    r = run_program("netns_cases", "transfer_at_link_rate", timeout=220)
     ideal = 2_621_440 * 4 * 8 / 100e6
     seconds = sorted(r["times"])[1] - r["overhead"]
     assert abs(seconds / ideal - 1) < 0.25, (r, ideal)
@@ -146,26 +102,8 @@ def test_isolated_ports_do_not_listen_in_the_host_namespace():
     # The chief script starts an isolated cluster, connects this process's
     # TensorFlow runtime (its own server listens on the chief's port), checks
     # from inside that every port answers, then waits for us to look.
-    source = textwrap.dedent("""
-        import json, socket, subprocess, sys
-        import tensorflow as tf
-        from tfdist_ext.cluster import LocalCluster, connect
-        with LocalCluster(num_workers=2, num_ps=1) as cluster:
-            connect(cluster.resolver)
-            with tf.device("/job:ps/task:0"):
-                v = tf.Variable(1.0)
-            spec = cluster.cluster_spec.as_dict()
-            answered = {}
-            for addresses in spec.values():
-                for a in addresses:
-                    host, port = a.split(":")
-                    with socket.create_connection((host, int(port)), timeout=5):
-                        answered[a] = True
-            print("SPEC " + json.dumps({"spec": spec, "answered": answered}), flush=True)
-            sys.stdin.readline()
-    """)
     chief = subprocess.Popen(
-        [sys.executable, "-c", source],
+        program_command("netns_cases", "isolated_ports"),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -174,8 +112,8 @@ def test_isolated_ports_do_not_listen_in_the_host_namespace():
     )
     try:
         line = chief.stdout.readline()
-        assert line.startswith("SPEC "), line
-        r = json.loads(line[len("SPEC ") :])
+        r = result_of(line)
+        assert r, line
         addresses = [a for addrs in r["spec"].values() for a in addrs]
         assert all(a.startswith("10.213.") for a in addresses)
         assert all(r["answered"][a] for a in addresses)
@@ -225,33 +163,10 @@ def _temp_entries(directory):
 @needs_isolation
 @pytest.mark.timeout(300)
 def test_kill_9_of_the_chief_mid_fit_leaves_nothing(tmp_path):
-    source = textwrap.dedent("""
-        import os, threading
-        import keras
-        import tfdist_ext
-        from tfdist_ext import datasets
-        from tfdist_ext.cluster import LocalCluster
-        cluster = LocalCluster(num_workers=2, num_ps=1, bandwidth="100mbit").start()
-        namespaces = {os.readlink(f"/proc/{p}/ns/net") for p in cluster.pids()}
-        namespaces.add(os.readlink("/proc/thread-self/ns/net"))   # the hub
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
-                                      keras.layers.Dense(10)])
-            model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-
-        class Announce(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                if batch == 5:
-                    print("FITTING " + " ".join(map(str, cluster.pids())) + " | "
-                          + " ".join(sorted(namespaces)), flush=True)
-
-        ds = datasets.digits("train", flatten=True).batch(32).repeat()
-        model.fit(ds, epochs=1000, steps_per_epoch=100, verbose=0, callbacks=[Announce()])
-    """)
     links_before = _host_links()
+    # The chief fits for ever and announces its tasks' pids and namespaces.
     chief = subprocess.Popen(
-        [sys.executable, "-c", source],
+        program_command("netns_cases", "fit_until_killed"),
         stdout=subprocess.PIPE,
         text=True,
         stdin=subprocess.DEVNULL,
@@ -260,10 +175,9 @@ def test_kill_9_of_the_chief_mid_fit_leaves_nothing(tmp_path):
     )
     try:
         line = chief.stdout.readline()
-        assert line.startswith("FITTING "), line
-        pids_text, namespaces_text = line[len("FITTING ") :].split(" | ")
-        pids = [int(p) for p in pids_text.split()]
-        namespaces = set(namespaces_text.split())
+        announced = result_of(line)
+        assert announced, line
+        pids, namespaces = announced["pids"], set(announced["namespaces"])
         assert len(pids) == 3 and len(namespaces) == 4
         assert namespaces <= _net_namespaces()
     finally:
@@ -293,16 +207,15 @@ def test_bad_bandwidth_is_refused_at_construction():
         LocalCluster(num_workers=1, num_ps=0, command="python train.py")
 
 
-def _run_unprivileged(user_args, source):
+def _run_unprivileged(user_args, case):
+    """Runs ``netns_cases CASE`` under setpriv with every capability dropped."""
     return subprocess.run(
         [
             "setpriv",
             *user_args,
             "--inh-caps=-all",
             "--bounding-set=-all",
-            sys.executable,
-            "-c",
-            textwrap.dedent(source),
+            *program_command("netns_cases", case),
         ],
         capture_output=True,
         text=True,
@@ -320,24 +233,13 @@ def test_without_privileges_isolation_is_refused_at_construction():
     # read the test environment's interpreter at all).
     if os.geteuid() != 0:
         pytest.skip("needs root to drop the capabilities")
-    proc = _run_unprivileged(
-        [],
-        """
-        from tfdist_ext.cluster import ClusterError, LocalCluster
-        for kwargs in ({"isolated": True}, {"bandwidth": "100mbit"}):
-            try:
-                LocalCluster(num_workers=1, num_ps=0, **kwargs)
-            except ClusterError as e:
-                print("REFUSED", kwargs, e, flush=True)
-        print("DEFAULT isolated:", LocalCluster(num_workers=1, num_ps=0).isolated, flush=True)
-    """,
-    )
+    proc = _run_unprivileged([], "refusals_without_privileges")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    refusals = [l for l in proc.stdout.splitlines() if l.startswith("REFUSED")]
-    assert len(refusals) == 2, proc.stdout
-    for line in refusals:
+    r = result_of(proc.stdout)
+    assert len(r["refusals"]) == 2, proc.stdout
+    for line in r["refusals"]:
         assert "CAP_NET_ADMIN" in line and "isolated=False" in line, line
-    assert "DEFAULT isolated: False" in proc.stdout
+    assert r["default_isolated"] is False
 
 
 @pytest.mark.timeout(120)
@@ -345,116 +247,51 @@ def test_a_loopback_cluster_warns_once_naming_its_ports():
     # Root without capabilities: the tasks can start, the isolation cannot.
     if os.geteuid() != 0:
         pytest.skip("needs root to drop the capabilities")
-    proc = _run_unprivileged(
-        [],
-        """
-        import logging
-        from tfdist_ext.cluster import LocalCluster
-        logging.basicConfig(format="LOG %(message)s")
-        with LocalCluster(num_workers=1, num_ps=0) as cluster:
-            assert not cluster.isolated
-            print("PORT", cluster.address("worker", 0).split(":")[1], flush=True)
-        with LocalCluster(num_workers=1, num_ps=0):
-            pass
-        print("DONE", flush=True)
-    """,
-    )
+    proc = _run_unprivileged([], "loopback_warnings")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    port = re.search(r"PORT (\d+)", proc.stdout).group(1)
+    port = result_of(proc.stdout)["port"]
     warnings = [l for l in proc.stderr.splitlines() if "SECURITY.md" in l]
     assert len(warnings) == 1, proc.stderr  # one per process, not per cluster
     assert port in warnings[0] and "CAP_NET_ADMIN" in warnings[0]
-    assert "DONE" in proc.stdout
 
 
 @needs_isolation
 @pytest.mark.timeout(200)
-def test_a_process_uses_one_kind_of_cluster_network(script):
-    proc = script(
-        """
-        from tfdist_ext.cluster import ClusterError, LocalCluster
-        with LocalCluster(num_workers=1, num_ps=0, isolated=True):
-            pass
-        try:
-            LocalCluster(num_workers=1, num_ps=0, isolated=False)
-        except ClusterError as e:
-            print("REFUSED", e, flush=True)
-        with LocalCluster(num_workers=1, num_ps=0):   # the default follows the first
-            print("AGAIN", flush=True)
-    """,
-        timeout=180,
-    )
+def test_a_process_uses_one_kind_of_cluster_network():
+    # Reported from inside the block of the default cluster that follows the
+    # refusal: that one started.
+    r = run_program("netns_cases", "isolated_then_loopback", timeout=180)
     assert (
-        "REFUSED LocalCluster: this process already ran a cluster with isolated=True; "
+        "LocalCluster: this process already ran a cluster with isolated=True; "
         "one with isolated=False cannot follow it"
-    ) in proc.stdout
-    assert "new process" in proc.stdout and "AGAIN" in proc.stdout
-    proc = script(
-        """
-        from tfdist_ext.cluster import ClusterError, LocalCluster
-        with LocalCluster(num_workers=1, num_ps=0, isolated=False):
-            pass
-        print("DEFAULT", LocalCluster(num_workers=1, num_ps=0).isolated, flush=True)
-        try:
-            LocalCluster(num_workers=1, num_ps=0, bandwidth="10mbit")
-        except ClusterError as e:
-            print("REFUSED", e, flush=True)
-    """,
-        timeout=180,
-    )
-    assert "DEFAULT False" in proc.stdout
+    ) in r["refused"]
+    assert "new process" in r["refused"]
+    r = run_program("netns_cases", "loopback_then_isolated", timeout=180)
+    assert r["default_isolated"] is False
     assert (
-        "REFUSED LocalCluster: this process already ran a cluster with isolated=False; "
+        "LocalCluster: this process already ran a cluster with isolated=False; "
         "one with isolated=True cannot follow it"
-    ) in proc.stdout
-
-
-# Two workers of a CompressedMultiWorkerMirroredStrategy (a MultiWorkerMirroredStrategy
-# whose all-reduce sends fp16), each its own process and namespace.
-MWMS_WORKER = textwrap.dedent("""
-    import json, os
-    import numpy as np, tensorflow as tf, keras
-    from tfdist_ext import compression as C
-    strategy = C.CompressedMultiWorkerMirroredStrategy(compression=C.get("fp16"))
-    keras.utils.set_random_seed(0)
-    x = np.random.RandomState(0).randn(256, 8).astype("float32")
-    y = x.sum(1, keepdims=True)
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(32).with_options(options)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
-        model.compile(keras.optimizers.SGD(0.05), "mse")
-    history = model.fit(ds, epochs=3, verbose=0)
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
-    print("RESULT " + json.dumps({"task": task, "loss": history.history["loss"],
-          "kernel": model.get_weights()[0].ravel().tolist()}), flush=True)
-""")
+    ) in r["refused"]
 
 
 @needs_isolation
 @pytest.mark.timeout(300)
-def test_spmd_program_as_the_worker_tasks(tmp_path):
-    train = tmp_path / "train.py"
-    train.write_text(MWMS_WORKER)
+def test_spmd_program_as_the_worker_tasks():
+    # Two workers of a CompressedMultiWorkerMirroredStrategy (a MultiWorkerMirroredStrategy
+    # whose all-reduce sends fp16), each its own process and namespace.
     cluster = LocalCluster(
         num_workers=2,
         num_ps=0,
         chief=False,
         bandwidth="1gbit",
-        command=[sys.executable, str(train)],
+        command=program_command("compressed_workers", "fp16_regression"),
         env={"PYTHONPATH": REPO},
     )
     with cluster:
         codes = cluster.wait(timeout=240)
         outputs = [cluster.output("worker", i) for i in range(2)]
     assert codes == {"worker:0": 0, "worker:1": 0}, outputs
-    results = [
-        json.loads(l[len("RESULT ") :])
-        for out in outputs
-        for l in out.splitlines()
-        if l.startswith("RESULT ")
-    ]
+    results = [result_of(out) for out in outputs]
     assert [r["task"]["index"] for r in results] == [0, 1]
     assert results[0]["kernel"] == results[1]["kernel"]  # replicas in sync
     assert results[0]["loss"][-1] < results[0]["loss"][0]
@@ -467,7 +304,7 @@ def test_wait_has_a_deadline():
         num_workers=1,
         num_ps=0,
         chief=False,
-        command=[sys.executable, "-c", "import time; time.sleep(60)"],
+        command=program_command("stand_ins", "sleep", 60),
     )
     with cluster:
         start = time.monotonic()

@@ -6,9 +6,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from test_sandblaster import PRELUDE
-from test_sandblaster import _result
 
+from tests.programs import result_of
+from tests.programs import run_program
 from tfdist_ext import compression as C
 
 
@@ -37,35 +37,11 @@ def test_fit_on_a_dataset_under_our_strategy_does_not_warn_about_shuffle(cpu_dev
 
 
 @pytest.mark.timeout(240)
-def test_lbfgs_progress_at_verbose_1_and_silence_at_verbose_0(script):
-    proc = script(
-        PRELUDE
-        + r"""
-with LocalCluster(num_workers=1, num_ps=1) as cluster:
-    strategy = tfdist_ext.SandblasterStrategy(cluster.resolver)
-    with strategy.scope():
-        w = tf.Variable(tf.zeros([64, 10])); b = tf.Variable(tf.zeros([10]))
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(10)])
-        model.compile(optimizer=tfdist_ext.optimizers.LBFGS(memory=5),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    print("SILENT-START", flush=True)
-    model.fit(x, y, epochs=2, verbose=0)
-    tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                    max_iterations=2)
-    print("SILENT-END", flush=True)
-    model.fit(x, y, epochs=2, verbose=1)
-    w.assign(tf.zeros([64, 10])); b.assign(tf.zeros([10]))
-    r = tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy,
-                                        max_iterations=3, verbose=1)
-    try:
-        tfdist_ext.sandblaster.minimize(loss_fn, [w, b], (x, y), strategy=strategy, verbose=2)
-        bad = None
-    except ValueError as e:
-        bad = str(e)
-    report(loss=r.fun, bad=bad)
-""",
-        timeout=220,
-    )
+def test_lbfgs_progress_at_verbose_1_and_silence_at_verbose_0():
+    # What is checked is the whole stdout, a user's view of the run, beside its RESULT.
+    proc = run_program("sandblaster_cases", "progress", timeout=220, expect_ok=False)
+    result = result_of(proc.stdout)
+    assert proc.returncode == 0 and result, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     silent = out.split("SILENT-START\n")[1].split("SILENT-END")[0]
     assert silent == "", silent
@@ -77,6 +53,6 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
     lines = [l for l in loud.splitlines() if l.startswith("L-BFGS iteration")]
     assert [int(l.split()[2].rstrip(":")) for l in lines] == [1, 2, 3], loud
     assert all("max|g|" in l and "passes" in l and l.endswith(" s") for l in lines), lines
-    assert float(lines[-1].split("loss ")[1].split()[0]) == pytest.approx(_result(proc)["loss"])
+    assert float(lines[-1].split("loss ")[1].split()[0]) == pytest.approx(result["loss"])
     assert "L-BFGS stopped after 3 iterations" in loud and "ITERATIONS REACHED LIMIT" in loud
-    assert "verbose must be 0 (silent) or 1" in _result(proc)["bad"]
+    assert "verbose must be 0 (silent) or 1" in result["bad"]

@@ -8,6 +8,7 @@ import pytest
 
 import tfdist_ext
 from conftest import REPO
+from tests.programs import run_program
 
 
 def _setup_cfg():
@@ -48,21 +49,8 @@ def test_py_typed_is_shipped():
     assert "py.typed" in _setup_cfg()["options"]["package_data"]["tfdist_ext"]
 
 
-def test_import_without_tensorflow_names_the_extras(script):
-    proc = script(
-        """
-        import sys
-        sys.modules["tensorflow"] = None   # as if TensorFlow were not installed
-        try:
-            import tfdist_ext
-        except ImportError as e:
-            print(e)
-        else:
-            raise SystemExit("tfdist_ext imported without TensorFlow")
-    """,
-        timeout=60,
-    )
-    message = proc.stdout
+def test_import_without_tensorflow_names_the_extras():
+    message = run_program("packaging_cases", "without_tensorflow", timeout=60)["import_error"]
     assert "needs TensorFlow 2.21" in message
     for extra in ("tfdist_ext[cpu]", "tfdist_ext[and-cuda]", "tfdist_ext[tensorflow]"):
         assert extra in message
@@ -71,29 +59,15 @@ def test_import_without_tensorflow_names_the_extras(script):
 @pytest.mark.parametrize(
     "blocked, call, extra",
     [
-        ("sklearn", "datasets.digits('train', as_numpy=True)", "tfdist_ext[data]"),
-        ("mnist1d", "datasets.mnist1d('train', as_numpy=True)", "tfdist_ext[data]"),
-        (
-            "tensorflow_datasets",
-            "datasets.from_tfds('mnist', data_dir='/nonexistent')",
-            "tfdist_ext[tfds]",
-        ),
+        # call: a data set call of tests/programs/packaging_cases.py's CALLS.
+        ("sklearn", "digits", "tfdist_ext[data]"),
+        ("mnist1d", "mnist1d", "tfdist_ext[data]"),
+        ("tensorflow_datasets", "from_tfds", "tfdist_ext[tfds]"),
     ],
 )
-def test_a_data_set_without_its_extra_names_the_extra(script, blocked, call, extra):
-    proc = script(
-        f"""
-        import sys
-        sys.modules[{blocked!r}] = None   # as if the package were not installed
-        from tfdist_ext import datasets
-        try:
-            {call}
-        except ImportError as e:
-            print(e)
-        else:
-            raise SystemExit("loaded without {blocked}")
-    """,
-        timeout=120,
-    )
-    assert f"'{blocked}' package" in proc.stdout
-    assert f"pip install '{extra}'" in proc.stdout
+def test_a_data_set_without_its_extra_names_the_extra(blocked, call, extra):
+    message = run_program("packaging_cases", "data_set_without", blocked, call, timeout=120)[
+        "import_error"
+    ]
+    assert f"'{blocked}' package" in message
+    assert f"pip install '{extra}'" in message

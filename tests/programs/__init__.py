@@ -16,16 +16,34 @@ class ProgramError(AssertionError):
     """A program exited with an error, printed no result, or ran past its deadline."""
 
 
-def run_program(name, *args, timeout=300, env=None):
+def program_command(name, *args):
+    """The command line ``python -m tests.programs.NAME ARGS``, for a process a
+    test starts itself (one it reads while it runs, signals or kills, or a
+    cluster's task); it runs with the repository root as its directory or on
+    ``PYTHONPATH``."""
+    return [sys.executable, "-m", f"tests.programs.{name}", *map(str, args)]
+
+
+def result_of(output):
+    """The value of the last ``RESULT`` line in ``output`` (text), or None."""
+    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+
+
+def run_program(name, *args, timeout=300, env=None, expect_ok=True):
     """Runs ``python -m tests.programs.NAME ARGS`` from the repository root; its RESULT.
 
     The program gets ``timeout`` seconds, then it is killed and this raises
-    with its output so far.
+    with its output so far. ``env`` adds to (or overrides) this process's
+    environment. With ``expect_ok=False`` this returns the ``CompletedProcess``
+    (text stdout and stderr) whatever its exit, for a test of a failing exit,
+    of stderr or of how the process ended (:func:`result_of` reads its RESULT).
     """
-    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", **(env or {}))
+    full_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    full_env.update(env or {})
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", f"tests.programs.{name}", *map(str, args)],
+            program_command(name, *args),
             cwd=REPO,
             capture_output=True,
             text=True,
@@ -35,19 +53,22 @@ def run_program(name, *args, timeout=300, env=None):
         )
     except subprocess.TimeoutExpired as e:
         raise ProgramError(f"{name} {args} ran past {timeout}s\n{e.stdout}\n{e.stderr}") from None
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
+    if not expect_ok:
+        return proc
+    result = result_of(proc.stdout)
+    if proc.returncode != 0 or result is None:
         raise ProgramError(
             f"{name} {args} exited with {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\n"
             f"stderr:\n{proc.stderr[-6000:]}"
         )
-    return json.loads(lines[-1][len("RESULT ") :])
+    return result
 
 
-def run_workers(name, *args, num_workers=2, timeout=600):
+def run_workers(name, *args, num_workers=2, timeout=600, every=False):
     """Runs ``python -m tests.programs.NAME ARGS`` as every task of a
     ``worker`` cluster (each with its own ``TF_CONFIG``, ports on
-    127.0.0.1), as MultiWorkerMirroredStrategy programs run; worker 0's RESULT.
+    127.0.0.1), as MultiWorkerMirroredStrategy programs run; worker 0's RESULT
+    (``every=True``: the list of every worker's, in task order).
 
     Every task is killed when one fails or the deadline passes.
     """
@@ -60,7 +81,7 @@ def run_workers(name, *args, num_workers=2, timeout=600):
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(config))
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", f"tests.programs.{name}", *map(str, args)],
+                program_command(name, *args),
                 cwd=REPO,
                 env=env,
                 stdout=subprocess.PIPE,
@@ -82,10 +103,11 @@ def run_workers(name, *args, num_workers=2, timeout=600):
                 f"{name} {args}: a worker exited with {proc.returncode}\n"
                 f"{stdout[-3000:]}\n{stderr[-6000:]}"
             )
-    lines = [line for line in outputs[0][0].splitlines() if line.startswith("RESULT ")]
-    if not lines:
-        raise ProgramError(f"{name} {args}: worker 0 printed no result\n{outputs[0][1][-6000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    results = [result_of(stdout) for stdout, _ in outputs]
+    for index, (result, (_, stderr)) in enumerate(zip(results, outputs)):
+        if result is None and (every or index == 0):
+            raise ProgramError(f"{name} {args}: worker {index} printed no result\n{stderr[-6000:]}")
+    return results if every else results[0]
 
 
 def report(value):
