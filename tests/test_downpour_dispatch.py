@@ -5,65 +5,18 @@ Keras's ``steps_per_execution`` does: the batches Keras's own iterator gives
 the chief, ``steps_per_execution`` of them when set, at most about 50
 otherwise (fewer when a worker idles), a multiple of ``lcm(n_fetch,
 n_push)`` except an epoch's first and last. Fetch, push and step counts stay
-those of ``n_fetch``/``n_push``. Each test runs its body in a fresh interpreter.
+those of ``n_fetch``/``n_push``. Each test runs a case of
+``tests/programs/downpour_dispatch_cases.py`` in a fresh interpreter.
 """
 
 import pytest
 
-from tests.test_downpour import PRELUDE
-from tests.test_downpour import _result
-
-COUNT_ROUNDS = """
-def count_rounds(strategy):
-    # Counts the coordinator's dispatches of Downpour rounds.
-    schedule = strategy.coordinator.schedule
-    sizes = []
-    def counting(fn, args=None, kwargs=None):
-        if args and len(args) == 3:
-            sizes.append(int(args[2]))
-        return schedule(fn, args=args, kwargs=kwargs)
-    strategy.coordinator.schedule = counting
-    return sizes
-"""
+from tests.programs import run_program
 
 
 @pytest.mark.timeout(300)
-def test_one_dispatch_runs_many_steps_with_n_fetch_n_push_kept(script):
-    proc = script(
-        PRELUDE
-        + COUNT_ROUNDS
-        + """
-keras.utils.set_random_seed(0)
-out = {}
-with LocalCluster(num_workers=1, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
-    sizes = count_rounds(strategy)
-    for name, n, spe in (("default-n1", 1, 1), ("default-n3", 3, 1), ("spe10-n1", 1, 10),
-                         ("spe4-n3", 3, 4)):
-        strategy.n_fetch = strategy.n_push = n
-        strategy.stats.reset()
-        del sizes[:]
-        with strategy.scope():
-            model = mlp()
-            model.compile(optimizer=keras.optimizers.Adagrad(0.05),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"], steps_per_execution=spe)
-        seen = []
-        class Batches(keras.callbacks.Callback):
-            def on_train_batch_end(self, batch, logs=None):
-                seen.append(batch)
-        h = model.fit(digits_train(), epochs=2, steps_per_epoch=120, verbose=0,
-                      callbacks=[Batches()])
-        s = strategy.stats.summary()
-        out[name] = dict(sizes=list(sizes), batches=len(seen), loss=h.history["loss"],
-                         steps=s["steps"], pushes=s["pushes"], fetches=s["fetches"],
-                         prefetched=s["prefetched_rounds"],
-                         iterations=int(model.optimizer.iterations.numpy()))
-    report(**out)
-""",
-        timeout=280,
-    )
-    r = _result(proc)
+def test_one_dispatch_runs_many_steps_with_n_fetch_n_push_kept():
+    r = run_program("downpour_dispatch_cases", "many_steps_per_dispatch", timeout=280)
     for name, n, spe, round_size in (
         ("default-n1", 1, 1, 50),
         ("default-n3", 3, 1, 51),
@@ -90,52 +43,8 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
 
 
 @pytest.mark.timeout(300)
-def test_short_epochs_give_every_worker_rounds_pushes_batched_metrics_exact(script):
-    proc = script(
-        PRELUDE
-        + COUNT_ROUNDS
-        + """
-keras.utils.set_random_seed(0)
-with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=2, n_push=2)
-    sizes = count_rounds(strategy)
-    with strategy.scope():
-        model = compile(mlp())
-    train = datasets.digits("train", flatten=True).shuffle(2048, seed=0)
-    train = train.batch(32, drop_remainder=True).repeat()
-    h = model.fit(train, epochs=3, steps_per_epoch=40, verbose=0)
-    s = strategy.stats.summary()
-    first = dict(sizes=list(sizes), per_worker=strategy.stats.steps_per_worker,
-                 pushes=s["pushes"], loss=h.history["loss"],
-                 splits=op_devices(strategy, "SplitV"),
-                 ps=[v.value.device for v in model.trainable_variables],
-                 metric_counts={m.name: float(m.variables[-1].numpy()) for m in model.metrics
-                                if m.name in ("loss",)})
-    # Rounds of steps_per_execution steps: while the chief waits for an
-    # epoch's first round, the other worker already has a round of its own.
-    with strategy.scope():
-        model = mlp()
-        model.compile(optimizer=keras.optimizers.Adagrad(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=10)
-    strategy.stats.reset()
-    del sizes[:]
-    at_first_batch = []
-    class FirstBatch(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            self.marked = False
-        def on_train_batch_end(self, batch, logs=None):
-            if not self.marked:
-                at_first_batch.append(len(sizes))
-                self.marked = True
-    model.fit(train, epochs=2, steps_per_epoch=40, verbose=0, callbacks=[FirstBatch()])
-    report(**first, spe_sizes=list(sizes), at_first_batch=at_first_batch,
-           spe_steps=strategy.stats.summary()["steps"],
-           spe_iterations=int(model.optimizer.iterations.numpy()))
-""",
-        timeout=280,
-    )
-    r = _result(proc)
+def test_short_epochs_give_every_worker_rounds_pushes_batched_metrics_exact():
+    r = run_program("downpour_dispatch_cases", "short_epochs", timeout=280)
     # An epoch of 40 steps on 2 workers: a worker that idles gets the steps
     # buffered so far, so both workers train.
     assert sum(r["sizes"]) == 120, r["sizes"]
@@ -158,40 +67,12 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 
 @pytest.mark.timeout(300)
-def test_overlapped_push_and_fetch_lose_no_update_and_count_staleness(script):
+def test_overlapped_push_and_fetch_lose_no_update_and_count_staleness():
     # A block's push is applied while the next block computes, and the
     # parameters of the next fetch point are read after that push. The loss
     # is the mean output, so every step's bias gradient is exactly 1: the
     # bias ends at -lr * steps only if every step's gradient is applied once.
-    proc = script(
-        PRELUDE
-        + COUNT_ROUNDS
-        + """
-keras.utils.set_random_seed(0)
-out = {}
-with LocalCluster(num_workers=1, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
-    sizes = count_rounds(strategy)
-    for n_fetch, n_push in ((1, 1), (2, 3), (4, 2)):
-        strategy.n_fetch, strategy.n_push = n_fetch, n_push
-        strategy.stats.reset()
-        del sizes[:]
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(1)])
-            model.compile(optimizer=keras.optimizers.SGD(0.01),
-                          loss=lambda y, p: tf.reduce_mean(p))
-        model.fit(digits_train(), epochs=2, steps_per_epoch=50, verbose=0)
-        s = strategy.stats.summary()
-        out[f"{n_fetch},{n_push}"] = dict(
-            bias=float(model.layers[0].bias.numpy()[0]), sizes=list(sizes),
-            staleness=[int(x) for x in strategy.stats.staleness], pushes=s["pushes"],
-            fetches=s["fetches"], prefetched=s["prefetched_rounds"],
-            iterations=int(model.optimizer.iterations.numpy()))
-    report(**out)
-""",
-        timeout=280,
-    )
-    r = _result(proc)
+    r = run_program("downpour_dispatch_cases", "overlapped_push_and_fetch", timeout=280)
     for name, run in r.items():
         n_fetch, n_push = map(int, name.split(","))
         assert abs(run["bias"] + 0.01 * 100) < 1e-4, (name, run["bias"])
@@ -218,7 +99,7 @@ with LocalCluster(num_workers=1, num_ps=1) as cluster:
 
 
 @pytest.mark.timeout(300)
-def test_rounds_start_from_prefetched_parameters_until_weights_are_set(script):
+def test_rounds_start_from_prefetched_parameters_until_weights_are_set():
     # One worker, 2 ps tasks with the hidden kernel split across them. A
     # round's last block fetches the next round's parameters; the worker's
     # next round starts from them, in the same epoch, the next epoch and a
@@ -228,42 +109,7 @@ def test_rounds_start_from_prefetched_parameters_until_weights_are_set(script):
     # output, so the bias's gradient is exactly 1 whatever the staleness:
     # the bias ends at (what was set) - lr * steps only if every step's
     # gradient is applied exactly once.
-    proc = script(
-        PRELUDE
-        + """
-out = []
-with LocalCluster(num_workers=1, num_ps=2) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, min_shard_bytes=1024)
-    data = digits_train()
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64),
-                                  keras.layers.Dense(1)])
-        model.compile(optimizer=keras.optimizers.SGD(0.01), loss=lambda y, p: tf.reduce_mean(p),
-                      steps_per_execution=20)
-    split = isinstance(model.layers[0].kernel.value,
-                       tfdist_ext._integration.ShardedVariable)
-    def set_all(value):
-        model.set_weights([np.full(w.shape, value, "float32") for w in model.get_weights()])
-    class SetAtSecondEpoch(keras.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            if epoch == 1:
-                set_all(0.02)
-    for what in ("first", "again", "set", "again", "callback"):
-        if what == "set":
-            set_all(0.01)
-        bias = 0.02 if what == "callback" else float(model.layers[1].bias.numpy()[0])
-        strategy.stats.reset()
-        model.fit(data, epochs=2, steps_per_epoch=60, verbose=0,
-                  callbacks=[SetAtSecondEpoch()] if what == "callback" else [])
-        s = strategy.stats.summary()
-        out.append(dict(what=what, fetches=s["fetches"], prefetched=s["prefetched_rounds"],
-                        rounds=s["rounds"], staleness=list(strategy.stats.staleness),
-                        bias_before=bias, bias=float(model.layers[1].bias.numpy()[0])))
-report(out=out, split=split)
-""",
-        timeout=280,
-    )
-    r = _result(proc)
+    r = run_program("downpour_dispatch_cases", "prefetched_until_weights_are_set", timeout=280)
     assert r["split"]
     for run in r["out"]:
         # 6 rounds of 20 steps; every step's push applied once (the callback

@@ -1,9 +1,10 @@
 """Downpour's staleness policies and bounded staleness (SSP).
 
 The policy math is checked against NumPy in this process; on a real local
-cluster (each test body in a fresh interpreter, see ``conftest.run_script``)
-a push of known staleness is applied with ``lr / tau`` or with DC-ASGD's
-correction, and SSP bounds a throttled worker's lag and survives its loss.
+cluster (each test a case of ``tests/programs/staleness_cases.py`` in a
+fresh interpreter, see ``tests.programs.run_program``) a push of known
+staleness is applied with ``lr / tau`` or with DC-ASGD's correction, and SSP
+bounds a throttled worker's lag and survives its loss.
 """
 
 import json
@@ -11,102 +12,7 @@ import json
 import numpy as np
 import pytest
 
-PRELUDE = """
-import json, time
-import numpy as np
-import keras
-import tensorflow as tf
-import tfdist_ext
-from tfdist_ext import datasets
-from tfdist_ext.cluster import LocalCluster
-
-def report(**values):
-    print("RESULT " + json.dumps(values), flush=True)
-
-def digits_train():
-    return datasets.digits("train", flatten=True).shuffle(2048, seed=0).batch(32).repeat()
-
-def digits_mlp(steps_per_execution=1):
-    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                              keras.layers.Dense(10)])
-    model.compile(optimizer=keras.optimizers.Adagrad(0.05),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  steps_per_execution=steps_per_execution)
-    return model
-
-def fit_and_reload(strategy, path, during=None, steps_per_execution=1, **fit_kwargs):
-    # A digits MLP trained with the strategy: its losses, and whether the
-    # saved and reloaded model predicts the same. With `during` (a context,
-    # e.g. a throttle): a first unmeasured fit traces the round, then the
-    # measured one runs within `during` (tracing and registering functions
-    # on a throttled worker would only slow the measured fit).
-    with strategy.scope():
-        model = digits_mlp(steps_per_execution)
-    train = digits_train()
-    if during is not None:
-        model.fit(train, epochs=1, steps_per_epoch=20, verbose=0)
-        strategy.stats.reset()
-        with during:
-            h = model.fit(train, verbose=0, **fit_kwargs)
-    else:
-        h = model.fit(train, verbose=0, **fit_kwargs)
-    x = next(iter(datasets.digits("test", flatten=True).batch(50)))[0]
-    model.save(path)
-    same = bool(np.allclose(keras.saving.load_model(path).predict(x, verbose=0),
-                            model.predict(x, verbose=0), atol=1e-5))
-    return h.history["loss"], same
-"""
-
-# One worker, n_fetch=4, n_push=1, the same batch at every step: the pushes of
-# a fetch block have staleness 0, 1, 2, 3 (the worker's own earlier pushes)
-# and all carry the gradient at the fetched parameters.
-KNOWN_STALENESS = """
-rng = np.random.default_rng(0)
-x = rng.normal(size=(8, 3)).astype("float32")
-y = rng.normal(size=(8, 2)).astype("float32")
-with LocalCluster(num_workers=1, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=4, n_push=1,
-                                           staleness_policy=POLICY)
-    with strategy.scope():
-        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-        # Keras's calls of 4 batches: the 4 steps are one round, one fetch block.
-        model.compile(optimizer=OPTIMIZER, loss="mse", steps_per_execution=4)
-    w0 = [w.numpy().tolist() for w in model.trainable_weights]
-    model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
-              verbose=0)
-    w1 = [w.numpy().tolist() for w in model.trainable_weights]
-    staleness = list(strategy.stats.staleness)
-    strategy.stats.reset()
-    losses, same = fit_and_reload(strategy, PATH, epochs=2, steps_per_epoch=60)
-    prefetched = strategy.stats.summary()["prefetched_rounds"]
-    refused = None
-    if CUSTOM_STEP:
-        class Custom(keras.Sequential):
-            def train_step(self, data):
-                x, y = data
-                with tf.GradientTape() as tape:
-                    loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
-                grads = tape.gradient(loss, self.trainable_variables)
-                self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
-                return {}
-        strategy.n_fetch = 1
-        with strategy.scope():
-            custom = Custom([keras.Input((3,)), keras.layers.Dense(2)])
-            custom.compile(optimizer="sgd", loss="mse")
-        try:
-            custom.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1,
-                       steps_per_epoch=2, verbose=0)
-        except ValueError as e:
-            refused = str(e)
-    report(w0=w0, w1=w1, staleness=staleness, losses=losses, same=same,
-           config=strategy.get_config(), refused=refused, prefetched=prefetched)
-"""
-
-
-def _result(proc):
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-    assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+from tests.programs import run_program
 
 
 def _mse_gradient(w, b):
@@ -392,14 +298,12 @@ def test_policies_round_trip_through_config():
 
 
 @pytest.mark.timeout(300)
-def test_stale_pushes_are_applied_with_lr_over_tau(script, tmp_path):
+def test_stale_pushes_are_applied_with_lr_over_tau(tmp_path):
+    # One worker, n_fetch=4, n_push=1, the same batch at every step: the
+    # pushes of a fetch block have staleness 0, 1, 2, 3 (the worker's own
+    # earlier pushes) and all carry the gradient at the fetched parameters.
     path = str(tmp_path / "lr.keras")
-    source = PRELUDE + KNOWN_STALENESS.replace(
-        "POLICY", "tfdist_ext.downpour.StalenessAwareLR()"
-    ).replace("OPTIMIZER", "keras.optimizers.Adagrad(0.1)").replace("PATH", repr(path)).replace(
-        "CUSTOM_STEP", "False"
-    )
-    r = _result(script(source, timeout=280))
+    r = run_program("staleness_cases", "known_staleness", "lr_over_tau", path, timeout=280)
     assert r["staleness"] == [0, 1, 2, 3]
     # Adagrad with the rate 0.1 / max(tau, 1); every push from w0 (no fetch
     # point inside the 4-step round).
@@ -416,14 +320,10 @@ def test_stale_pushes_are_applied_with_lr_over_tau(script, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_stale_pushes_get_the_delay_compensation(script, tmp_path):
+def test_stale_pushes_get_the_delay_compensation(tmp_path):
+    # The same round as above, with SGD(0.1) and DelayCompensation(lam=2.0).
     path = str(tmp_path / "dc.keras")
-    source = PRELUDE + KNOWN_STALENESS.replace(
-        "POLICY", "tfdist_ext.downpour.DelayCompensation(lam=2.0)"
-    ).replace("OPTIMIZER", "keras.optimizers.SGD(0.1)").replace("PATH", repr(path)).replace(
-        "CUSTOM_STEP", "True"
-    )
-    r = _result(script(source, timeout=280))
+    r = run_program("staleness_cases", "known_staleness", "delay_compensation", path, timeout=280)
     assert r["staleness"] == [0, 1, 2, 3]
     w0, b0 = (np.array(v, np.float64) for v in r["w0"])
     g_w, g_b = _mse_gradient(w0, b0)  # every push: the gradient at the backup, w0
@@ -441,7 +341,7 @@ def test_stale_pushes_get_the_delay_compensation(script, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_delay_compensation_uses_the_parameters_each_overlapped_push_was_computed_from(script):
+def test_delay_compensation_uses_the_parameters_each_overlapped_push_was_computed_from():
     # One worker, one 8-step round (steps_per_execution=8), the same batch
     # every step, for (n_fetch, n_push) = (1, 1), (1, 2), (2, 1), (4, 2): with
     # the overlap the worker prefetches fetch k + 1 before the push computed
@@ -450,34 +350,13 @@ def test_delay_compensation_uses_the_parameters_each_overlapped_push_was_compute
     # parameters as fetch k and every push has staleness 0: exact weights
     # only.)
     configs = [(1, 1), (1, 2), (2, 1), (4, 2)]
-    proc = script(
-        PRELUDE
-        + f"""
-rng = np.random.default_rng(0)
-x = rng.normal(size=(8, 3)).astype("float32")
-y = rng.normal(size=(8, 2)).astype("float32")
-out = []
-with LocalCluster(num_workers=1, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(
-        cluster.resolver, staleness_policy=tfdist_ext.downpour.DelayCompensation(lam=2.0))
-    for n_fetch, n_push in {configs!r}:
-        strategy.n_fetch, strategy.n_push = n_fetch, n_push
-        strategy.stats.reset()
-        with strategy.scope():
-            model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
-            model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse",
-                          steps_per_execution=8)
-        w0 = [w.numpy().tolist() for w in model.trainable_weights]
-        model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=8,
-                  verbose=0)
-        out.append(dict(w0=w0, w1=[w.numpy().tolist() for w in model.trainable_weights],
-                        staleness=list(strategy.stats.staleness),
-                        summary=strategy.stats.summary()))
-report(out=out)
-""",
+    out = run_program(
+        "staleness_cases",
+        "delay_compensated_rounds",
+        *(f"{n_fetch},{n_push}" for n_fetch, n_push in configs),
         timeout=280,
-    )
-    for (n_fetch, n_push), r in zip(configs, _result(proc)["out"]):
+    )["out"]
+    for (n_fetch, n_push), r in zip(configs, out):
         w0 = [np.array(v, np.float64) for v in r["w0"]]
         apply = _sgd_delay_compensated(0.1, 2.0)
         (w, b), staleness = _overlapped_round(w0, apply, n_fetch, n_push, 8)
@@ -493,27 +372,9 @@ report(out=out)
 
 
 @pytest.mark.timeout(300)
-def test_ssp_bounds_a_throttled_workers_lag(script, tmp_path):
+def test_ssp_bounds_a_throttled_workers_lag(tmp_path):
     path = str(tmp_path / "ssp.keras")
-    proc = script(
-        PRELUDE
-        + f"""
-keras.utils.set_random_seed(0)
-with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    # deadline: a worker throttled to 1/8 of a core on a loaded 2-core
-    # machine can take more than 30 s between fetch blocks (a CI run did).
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, max_staleness=2, deadline=90)
-    # Rounds of 10 steps, one per Keras call: both workers hold rounds at
-    # once, so the throttled one bounds the other.
-    losses, same = fit_and_reload(strategy, {path!r}, during=cluster.throttle("worker", 1, 8),
-                                  steps_per_execution=10, epochs=2, steps_per_epoch=100)
-    report(losses=losses, same=same, leads=strategy.stats.clock_leads.tolist(),
-           staleness=list(strategy.stats.staleness), config=strategy.get_config(),
-           prefetched=strategy.stats.summary()["prefetched_rounds"])
-""",
-        timeout=280,
-    )
-    r = _result(proc)
+    r = run_program("staleness_cases", "ssp_throttled", path, timeout=280)
     # Every fetch started at most s = 2 blocks ahead of the slowest worker,
     # and the fast worker did wait at the bound ...
     assert len(r["leads"]) == 3 and r["leads"][2] > 0, r["leads"]
@@ -530,33 +391,8 @@ with LocalCluster(num_workers=2, num_ps=1) as cluster:
 
 
 @pytest.mark.timeout(300)
-def test_ssp_a_killed_slow_worker_does_not_block_the_others(script):
-    proc = script(
-        PRELUDE
-        + """
-keras.utils.set_random_seed(0)
-with LocalCluster(num_workers=2, num_ps=1) as cluster:
-    strategy = tfdist_ext.DownpourStrategy(cluster.resolver, max_staleness=1, deadline=12)
-    with strategy.scope():
-        model = digits_mlp()
-    model.steps_per_execution = 10
-    train = digits_train()  # one dataset: see fit_and_reload
-    model.fit(train, epochs=1, steps_per_epoch=20, verbose=0)
-    marks = {}
-    class Kill(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            if batch >= 30 and not marks:
-                marks["before"] = dict(strategy.stats.steps_per_worker)
-                cluster.kill("worker", 1)
-    start = time.monotonic()
-    with cluster.throttle("worker", 1, slowdown=4):
-        h = model.fit(train, epochs=2, steps_per_epoch=100, verbose=0, callbacks=[Kill()])
-    report(seconds=time.monotonic() - start, loss=h.history["loss"], marks=marks,
-           stats=strategy.stats.summary(), per_worker=dict(strategy.stats.steps_per_worker))
-""",
-        timeout=280,
-    )
-    r = _result(proc)
+def test_ssp_a_killed_slow_worker_does_not_block_the_others():
+    r = run_program("staleness_cases", "ssp_killed_slow_worker", timeout=280)
     assert len(r["loss"]) == 2 and r["stats"]["steps"] == 220
     # The survivor ran the rest: it waited for the dead worker at most about
     # lost_after (2 s here) instead of the 12 s deadline and an error.
