@@ -3,9 +3,10 @@
 TensorFlow's logical device split is fixed once per process, so the suite
 splits the CPU into 4 logical devices before any test touches TensorFlow;
 tests that need k <= 4 devices take ``cpu_devices[:k]``. Tests that need a
-cluster or a fresh TensorFlow runtime run their body in a subprocess (see
-``run_script``), always with a deadline. The run gets its own temporary
-directory (``TMPDIR``) and fails if it leaves ``tfdist-ext*`` entries there.
+cluster or a fresh TensorFlow runtime run a program of ``tests/programs`` in
+a fresh interpreter (``tests.programs.run_program``), always with a
+deadline. The run gets its own temporary directory (``TMPDIR``) and fails if
+it leaves ``tfdist-ext*`` entries there.
 """
 
 import inspect
@@ -16,7 +17,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import textwrap
 
 import pytest
 
@@ -80,7 +80,8 @@ _SPAWNED = []  # the current test's process starts (audit events)
 
 
 def _spawns(function, module, seen=None):
-    """Whether ``function``, or a function of ``module`` it names, starts processes."""
+    """Whether ``function``, or a function or class of ``module`` it names (its
+    fixtures included), starts processes."""
     seen = set() if seen is None else seen
     if function in seen:
         return False
@@ -91,15 +92,25 @@ def _spawns(function, module, seen=None):
         return False
     if _STARTS_PROCESSES.search(source):
         return True
-    names = set(re.findall(r"\b([A-Za-z_]\w*)\(", source))
+    names = set(re.findall(r"\b([A-Za-z_]\w*)\b", source))
     helpers = (getattr(module, n, None) for n in names)
-    return any(inspect.isfunction(h) and _spawns(h, module, seen) for h in helpers)
+    return any(
+        (inspect.isfunction(h) or inspect.isclass(h))
+        and h.__module__ == module.__name__
+        and _spawns(h, module, seen)
+        for h in helpers
+    )
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         function = getattr(item, "function", None)
-        if function is not None and _spawns(function, item.module):
+        fixtures = (getattr(item.module, n, None) for n in getattr(item, "fixturenames", ()))
+        fixtures = [getattr(f, "__wrapped__", f) for f in fixtures if f is not None]
+        if function is not None and (
+            _spawns(function, item.module)
+            or any(inspect.isfunction(f) and _spawns(f, item.module) for f in fixtures)
+        ):
             item.add_marker(pytest.mark.cluster)
 
 
@@ -128,78 +139,6 @@ def cpu_devices():
     return [f"/device:CPU:{i}" for i in range(NUM_LOGICAL_CPUS)]
 
 
-def run_script(source, *, timeout=240, env=None, expect_ok=True):
-    """Runs Python ``source`` in a fresh interpreter with a deadline.
-
-    Returns the ``CompletedProcess`` (text stdout/stderr). A script that runs
-    past ``timeout`` is killed and the test fails with its output so far.
-    """
-    full_env = dict(os.environ)
-    full_env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    full_env.update(env or {})
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", textwrap.dedent(source)],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=full_env,
-            stdin=subprocess.DEVNULL,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(
-            f"script did not finish within {timeout}s\nstdout:\n{e.stdout}\nstderr:\n{e.stderr}"
-        )
-    if expect_ok and proc.returncode != 0:
-        stderr = _quiet(proc.stderr)
-        pytest.fail(
-            f"script exited with {proc.returncode}\nerrors raised:\n{_raised(stderr)}\n"
-            f"stdout:\n{proc.stdout[-5000:]}\nstderr:\n{stderr[-8000:]}"
-        )
-    return proc
-
-
-#: Script code: a model whose layer adds a loss in call() (Keras's
-#: ActivityRegularization; "Making new layers and models via subclassing"
-#: calls add_loss the same way), plain Keras's loss at a trained model's
-#: weights with and without that term, and ``fit_added_loss(strategy)``, which
-#: fits that model under a strategy and returns both beside what it reported
-#: (check them with :func:`assert_added_loss_trained`). Needs ``keras``,
-#: ``tf`` and ``datasets`` imported.
-ADDED_LOSS = """
-def regularized(cls=keras.Sequential, reg=True):
-    layers = [keras.Input((64,)), keras.layers.Dense(16, activation="relu")]
-    if reg:
-        layers.append(keras.layers.ActivityRegularization(l2=0.05))
-    return cls(layers + [keras.layers.Dense(10)])
-
-def keras_losses(model, x, y):
-    out = {}
-    for name, reg in (("keras", True), ("without_added", False)):
-        plain = regularized(reg=reg)
-        plain.set_weights(model.get_weights())
-        plain.compile(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        out[name] = plain.evaluate(x, y, batch_size=len(x), verbose=0)
-    return out
-
-def fit_added_loss(strategy, cls=keras.Sequential):
-    # SGD(0) keeps the weights, so every step's loss is the same batch's loss
-    # at the same weights, as plain Keras computes it.
-    x, y = datasets.digits("train", flatten=True, as_numpy=True)
-    x, y = x[:64], y[:64]
-    # Seeded: the term is set by the initial weights alone (0.07-0.18 over
-    # seeds 0-5, 0.115 at 0); unseeded, CI once drew 0.0496, under the margin.
-    keras.utils.set_random_seed(0)
-    with strategy.scope():
-        model = regularized(cls)
-        model.compile(optimizer=keras.optimizers.SGD(0.0),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    h = model.fit(tf.data.Dataset.from_tensors((x, y)).repeat(), epochs=1, steps_per_epoch=4,
-                  verbose=0)
-    return {"added_reported": h.history["loss"][-1], **keras_losses(model, x, y)}
-"""
-
-
 def assert_added_loss_trained(result, margin=0.05):
     """What a strategy reported for a model with a layer's add_loss is plain
     Keras's loss, that term (larger than ``margin``) included.
@@ -222,24 +161,9 @@ _NOISE = (
 )
 
 
-_RAISED = re.compile(r"^[\w.]*(Error|Exception|Exit)\b.*$", re.MULTILINE)
-
-
-def _raised(stderr):
-    """The lines of ``stderr`` that name a raised exception (a long traceback's
-    tail, all that fits in the report, can leave out the message itself)."""
-    return "\n".join(m.group(0)[:2000] for m in _RAISED.finditer(stderr))
-
-
 def _quiet(stderr):
     """stderr without TensorFlow's gRPC teardown chatter."""
     return "\n".join(l for l in stderr.splitlines() if not l.startswith(_NOISE))
-
-
-@pytest.fixture
-def script():
-    """The ``run_script`` helper as a fixture."""
-    return run_script
 
 
 def run_tutorial(filename, *args, timeout):
