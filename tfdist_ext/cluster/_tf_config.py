@@ -24,9 +24,8 @@ PARENT_PID_ENV = "TFDIST_EXT_PARENT_PID"
 # TensorFlow's C++ logging quiet, and TensorFlow's own BFC allocator on the
 # CPU, a pool that reuses freed blocks. The default CPU allocator takes each
 # large tensor from malloc, which maps it fresh (glibc maps blocks above
-# 32 MB) and pays a page fault on every 4 KB of it: a 10M-parameter
-# gradient's DGC compression took 158 ms a step with it and 46 ms with the
-# pool, one thread (docs/architecture.md, "Memory allocation"). Both are
+# 32 MB) and pays a page fault on every 4 KB of it, every step; the pool
+# does not (docs/architecture.md, "Memory allocation"). Both are
 # read when TensorFlow starts, so they must be in the environment before
 # ``import tensorflow``.
 TASK_ENV_DEFAULTS = {"TF_CPP_MIN_LOG_LEVEL": "2", "TF_CPU_ALLOCATOR_USE_BFC": "true"}

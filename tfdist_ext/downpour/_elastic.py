@@ -449,7 +449,7 @@ class _ElasticRound:
         return self.counters(worker, steps, exchanges, rejected, staleness.stack())
 
     def counters(self, worker, steps, exchanges, rejected, staleness):
-        """What a round returns (see ``_round.build_round``)."""
+        """What a round returns (see ``_round.DownpourRound.counters``)."""
         sent = exchanges * self.param_bytes + self.state_bytes  # the state's load and save
         return {
             "worker": worker,

@@ -158,7 +158,7 @@ def keras_local_step(model, optimizer, loss_scale):
 
     def step(params, metric_values, data):
         """Keras's step on the local copy ``params``: the gradients and the
-        metrics' new state (local: see ``round_fn``)."""
+        metrics' new state (local: see :meth:`DownpourRound.run`)."""
         x, y, sample_weight = _integration.unpack_x_y_sample_weight(data)
         scale = loss_scale.read()
         with tf.GradientTape() as tape:
@@ -909,11 +909,9 @@ def pack(tensors, homes, on_ps):
     small message on the connection the values take: sent with them, it
     can queue behind their megabytes, and then the next push cannot cross
     while this fetch does. Sent straight from their reads, a split
-    weight's pieces did that in every block (one worker, 2 shards, 100
-    Mbit/s: 1.13-1.28 s a step); copied by the stateful ``DeepCopy``, in
-    some blocks (0.94-1.08 s; 1M params: 0.116 s, against 0.094 s with
-    ``Snapshot``). The round also sends the word before the values
-    (``build_round``'s fetch).
+    weight's pieces did that in every block; copied by the stateful
+    ``DeepCopy``, in some blocks. The round also sends the word before the
+    values (:meth:`DownpourRound.read`).
     """
     groups = _task_groups(tensors, homes)
     grouped = {i for _, indices in groups for i in indices}

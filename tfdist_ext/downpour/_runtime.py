@@ -82,8 +82,8 @@ class DownpourRuntime:
         entry.remember()
         if new:
             # Traced and set up on the ps now, at the end of the first epoch,
-            # not at the next one's start: 0.2-0.3 s once per model, which
-            # a short fit that follows would otherwise pay in its time.
+            # not at the next one's start, whose time a short fit that
+            # follows would otherwise pay.
             entry.unchanged()
 
     def round_for(self, model):
