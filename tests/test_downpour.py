@@ -276,3 +276,13 @@ def test_a_push_of_n_steps_is_one_sgd_step_of_n_times_the_rate():
     assert result["pushes"] == 1
     assert result["to_one_step_of_k_lr"] <= 1e-6 * max(1.0, result["moved"])
     assert result["to_k_sequential_steps"] > 100 * result["to_one_step_of_k_lr"] + 1e-6
+
+
+@pytest.mark.timeout(200)
+def test_a_dataset_made_before_the_strategy_is_named_as_the_cause():
+    """TensorFlow's own error ("... CPU:0 unknown device") does not say that the
+    dataset belongs to the runtime the strategy's connection replaced."""
+    kind, message = run_program("downpour_cases", "dataset_before_strategy", timeout=180)["error"]
+    assert kind == "InvalidArgumentError"
+    assert "was created before the strategy connected this process" in message
+    assert "Build the strategy first" in message

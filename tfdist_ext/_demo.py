@@ -74,9 +74,8 @@ def _show_cluster(cluster, start):
     return seconds
 
 
-def _fit_downpour(parts, cluster, args, train, test):
+def _fit_downpour(parts, strategy, args, train, test):
     """``(held-out accuracy, seconds, strategy)`` of Downpour on the cluster."""
-    strategy = parts.Downpour(cluster.resolver, n_fetch=args.n, n_push=args.n)
     print(
         f"== Downpour SGD, Keras model.fit: {args.epochs} epochs x {args.steps} steps, "
         f"n_fetch = n_push = {args.n}, Adagrad on the ps, digits (seed {args.seed})"
@@ -131,10 +130,13 @@ def main(argv=None):
     start = time.time()
     with parts.LocalCluster(num_workers=2, num_ps=1) as cluster:
         startup_seconds = _show_cluster(cluster, start)
+        # The strategy first: it connects this process to the cluster, and a
+        # dataset made before that would belong to the runtime it replaces.
+        strategy = parts.Downpour(cluster.resolver, n_fetch=args.n, n_push=args.n)
         train = parts.datasets.digits("train", flatten=True).shuffle(2048, seed=args.seed)
         train = train.batch(32).repeat()
         test = parts.datasets.digits("test", flatten=True).batch(150)
-        downpour = _fit_downpour(parts, cluster, args, train, test)
+        downpour = _fit_downpour(parts, strategy, args, train, test)
         baseline = _fit_baseline(parts.keras, args, train, test)
         _report(args, startup_seconds, downpour, baseline)
     return 0

@@ -104,6 +104,29 @@ def _check_tasks(owner, spec, deadline):
                 )
 
 
+# What TensorFlow says of an op or variable made on this process's runtime
+# before a strategy connected it to the cluster (it is gone with that runtime).
+_BEFORE_CONNECTING = (
+    "/job:localhost/replica:0/task:0/device:CPU:0 unknown device",
+    "Client for target /job:localhost not found",
+)
+
+
+def explain_made_before_connecting(owner, error):
+    """``error`` re-raised as the same type naming the cause, when it comes from a
+    dataset, variable or function made before the strategy connected; else ``error``."""
+    message = getattr(error, "message", str(error))
+    if not any(sign in message for sign in _BEFORE_CONNECTING):
+        return error
+    explained = (
+        f"{owner}: a dataset, model, optimizer or variable used here was created before "
+        "the strategy connected this process to the cluster, and is gone with the "
+        "runtime it was made on. Build the strategy first, then create the datasets "
+        f"and, under strategy.scope(), the model and its optimizer. ({message.strip()})"
+    )
+    return type(error)(error.node_def, error.op, explained)
+
+
 class ParameterServerBase(_PSSV2):
     """``ParameterServerStrategy`` with byte-balanced, sharded placement.
 

@@ -440,6 +440,21 @@ def two_strategies():
     report({"before": before, "after": after})
 
 
+def dataset_before_strategy():
+    """A dataset made before the strategy connects this process: fit's error."""
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        train = digits_train()
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+        with strategy.scope():
+            model = compiled(mlp())
+        try:
+            model.fit(train, epochs=1, steps_per_epoch=4, verbose=0)
+            error = None
+        except tf.errors.OpError as e:
+            error = [type(e).__name__, e.message]
+    report({"error": error})
+
+
 CASES = {
     fn.__name__: fn
     for fn in (
@@ -453,6 +468,7 @@ CASES = {
         partitioned_replicas,
         linear_scaling,
         two_strategies,
+        dataset_before_strategy,
     )
 }
 

@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfdist_ext import _integration
 from tfdist_ext import compression as compression_lib
 from tfdist_ext._ps_strategy import ParameterServerBase
+from tfdist_ext._ps_strategy import explain_made_before_connecting
 from tfdist_ext._ps_strategy import positive_int
 from tfdist_ext.downpour import _round
 from tfdist_ext.downpour import _schedule
@@ -161,6 +162,8 @@ class DownpourStrategy(ParameterServerBase):
             return _schedule.downpour_fit(model, self, self._runtime, keras_fit, args, kwargs)
         except tf.errors.OpError as e:
             explained = _staleness.explain_timeout(e)
+            if explained is e:
+                explained = explain_made_before_connecting(self._owner, e)
             if explained is e:
                 raise
             raise explained from None

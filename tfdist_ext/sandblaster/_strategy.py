@@ -8,6 +8,7 @@ import tensorflow as tf
 from tfdist_ext import _integration
 from tfdist_ext._ps_strategy import ParameterServerBase
 from tfdist_ext._ps_strategy import components
+from tfdist_ext._ps_strategy import explain_made_before_connecting
 from tfdist_ext._ps_strategy import positive_int
 from tfdist_ext.sandblaster import _fit
 from tfdist_ext.sandblaster._engine import Evaluator
@@ -76,7 +77,13 @@ class SandblasterStrategy(ParameterServerBase):
 
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
-        return _fit.sandblaster_fit(model, self, keras_fit, args, kwargs)
+        try:
+            return _fit.sandblaster_fit(model, self, keras_fit, args, kwargs)
+        except tf.errors.OpError as e:
+            explained = explain_made_before_connecting(self._owner, e)
+            if explained is e:
+                raise
+            raise explained from None
 
     def _tfdist_train_on_batch(self, model, keras_method, args, kwargs):
         raise ValueError(
