@@ -25,9 +25,17 @@ def program_command(name, *args):
 
 
 def result_of(output):
-    """The value of the last ``RESULT`` line in ``output`` (text), or None."""
-    lines = [line for line in output.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+    """The value of the last ``RESULT`` in ``output`` (text), or None.
+
+    Found anywhere in a line, and read up to the end of its JSON value:
+    TensorFlow's C++ logging writes to the same stdout without waiting for
+    Python's lines, so a RESULT can follow part of a log line, or precede one.
+    """
+    start = output.rfind("RESULT ")
+    if start < 0:
+        return None
+    value, _ = json.JSONDecoder().raw_decode(output, start + len("RESULT "))
+    return value
 
 
 def run_program(name, *args, timeout=300, env=None, expect_ok=True):
