@@ -12,6 +12,7 @@ error, not a hang). Importing this module imports TensorFlow.
 
 import contextlib
 import gc
+import re
 import threading
 import weakref
 
@@ -105,10 +106,10 @@ def _check_tasks(owner, spec, deadline):
 
 
 # What TensorFlow says of an op or variable made on this process's runtime
-# before a strategy connected it to the cluster (it is gone with that runtime).
-_BEFORE_CONNECTING = (
-    "/job:localhost/replica:0/task:0/device:CPU:0 unknown device",
-    "Client for target /job:localhost not found",
+# before a strategy connected it to the cluster (it is gone with that runtime),
+# whichever device it was on.
+_BEFORE_CONNECTING = re.compile(
+    r"/job:localhost/\S+ unknown device|Client for target /job:localhost not found"
 )
 
 
@@ -116,7 +117,7 @@ def explain_made_before_connecting(owner, error):
     """``error`` re-raised as the same type naming the cause, when it comes from a
     dataset, variable or function made before the strategy connected; else ``error``."""
     message = getattr(error, "message", str(error))
-    if not any(sign in message for sign in _BEFORE_CONNECTING):
+    if not _BEFORE_CONNECTING.search(message):
         return error
     explained = (
         f"{owner}: a dataset, model, optimizer or variable used here was created before "

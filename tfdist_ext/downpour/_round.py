@@ -219,9 +219,9 @@ class DownpourRound:
     block (no transfer); the crossing only when due, in a cond of no
     stateful op, so the next push crosses while this fetch still does.
 
-    Only :meth:`run`, :meth:`send` and
-    :meth:`local_steps` hold loops and conds on tensors (autograph converts
-    them); what they call is graph code.
+    Only :meth:`run`, :meth:`send`, :meth:`fetch_due` and :meth:`local_steps`
+    hold loops, conds or ``and``/``or`` on tensors (autograph converts them);
+    what they call is graph code.
 
     A fetch's source is the server version it read and its backup slot, the
     round's fetch count mod 2. Under ``DelayCompensation`` the fetch copies
