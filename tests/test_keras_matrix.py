@@ -35,6 +35,7 @@ import time
 
 import pytest
 
+from tests.programs import result_of
 from tfdist_ext.cluster import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -592,9 +593,8 @@ class Run:
                 stdin=subprocess.DEVNULL,
                 env=dict(env, TF_CPP_MIN_LOG_LEVEL="2"),
             )
-            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-            assert lines, f"loader failed:\n{proc.stderr[-4000:]}"
-            self.loaded = json.loads(lines[-1][len("RESULT ") :])
+            self.loaded = result_of(proc.stdout)
+            assert self.loaded is not None, f"loader failed:\n{proc.stderr[-4000:]}"
         return self.loaded
 
 

@@ -10,6 +10,7 @@ import sys
 import pytest
 import yaml
 
+from tests.programs import result_of
 from tfdist_ext import launch
 from tfdist_ext.cluster import _environments
 from tfdist_ext.cluster import _netns
@@ -49,9 +50,9 @@ def _launch_two_local_workers(*command, timeout):
 
 def _result(proc):
     """The RESULT the job's chief printed; the job must have succeeded."""
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return json.loads(lines[-1][len("RESULT ") :])
+    result = result_of(proc.stdout)
+    assert proc.returncode == 0 and result is not None, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return result
 
 
 def test_tasks_are_ordered_chief_ps_worker_as_slurms_resolver_orders_them():
