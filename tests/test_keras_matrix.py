@@ -4,8 +4,10 @@ Each model kind is a program as Keras's own guides write it ("The Sequential
 model", "The Functional API", "Making new layers and models via subclassing",
 "Customizing what happens in fit()", "Mixed precision", and "Multi-GPU
 distributed training with TensorFlow" with its checkpoint-restart pattern).
-The user's code lives in their own module (``USER_MODELS``, written to
-``user_models.py``), which knows nothing of tfdist_ext. One training process
+The user's code lives in their own module
+(``tests/programs/keras_matrix/user_models.py``), which knows nothing of
+tfdist_ext; ``train.py`` and ``load.py`` beside it are the training and the
+loading processes. One training process
 per strategy (one cluster) runs every selected kind, as
 ``with strategy.scope(): build + compile``, then ``fit``, ``predict`` and
 ``save``. Each cell then checks that
@@ -40,367 +42,8 @@ from tfdist_ext.cluster import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-USER_MODELS = r'''
-"""The user's models, as Keras's guides write them (no tfdist_ext here)."""
-import keras
-import tensorflow as tf
+PROGRAMS = os.path.join(REPO, "tests", "programs", "keras_matrix")
 
-CALLS = {"layer": 0, "model": 0}
-
-
-def sequential():
-    """"The Sequential model": a small CNN on 8x8 images."""
-    return keras.Sequential([
-        keras.Input((8, 8, 1)),
-        keras.layers.Conv2D(8, 3, activation="relu"),
-        keras.layers.Flatten(),
-        keras.layers.Dense(10),
-    ])
-
-
-def functional_two_inputs():
-    """"The Functional API": two inputs (top and bottom half of an image)."""
-    top = keras.Input((32,), name="top")
-    bottom = keras.Input((32,), name="bottom")
-    features = keras.layers.concatenate([
-        keras.layers.Dense(16, activation="relu")(top),
-        keras.layers.Dense(16, activation="relu")(bottom),
-    ])
-    return keras.Model([top, bottom], keras.layers.Dense(10)(features))
-
-
-@keras.saving.register_keras_serializable(package="user_models")
-class Linear(keras.layers.Layer):
-    """"Making new layers and models via subclassing": weights made in build()."""
-
-    def __init__(self, units=32, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-
-    def build(self, input_shape):
-        self.w = self.add_weight(shape=(input_shape[-1], self.units),
-                                 initializer="random_normal", trainable=True)
-        self.b = self.add_weight(shape=(self.units,), initializer="zeros", trainable=True)
-
-    def call(self, inputs):
-        CALLS["layer"] += 1
-        return keras.ops.matmul(inputs, self.w) + self.b
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units}
-
-
-@keras.saving.register_keras_serializable(package="user_models")
-class ActivityRegularizationLayer(keras.layers.Layer):
-    """The same guide: a layer that adds a loss in call()."""
-
-    def __init__(self, rate=1e-2, **kwargs):
-        super().__init__(**kwargs)
-        self.rate = rate
-
-    def call(self, inputs):
-        self.add_loss(self.rate * keras.ops.mean(inputs))
-        return inputs
-
-    def get_config(self):
-        return {**super().get_config(), "rate": self.rate}
-
-
-@keras.saving.register_keras_serializable(package="user_models")
-class MLP(keras.Model):
-    """The same guide: a model subclass built on the user's layers."""
-
-    def __init__(self, units=32, num_classes=10, **kwargs):
-        super().__init__(**kwargs)
-        self.units = units
-        self.num_classes = num_classes
-        self.hidden = Linear(units)
-        self.regularization = ActivityRegularizationLayer()
-        self.classifier = keras.layers.Dense(num_classes)
-
-    def call(self, inputs):
-        CALLS["model"] += 1
-        return self.classifier(self.regularization(keras.ops.relu(self.hidden(inputs))))
-
-    def get_config(self):
-        return {**super().get_config(), "units": self.units, "num_classes": self.num_classes}
-
-
-def subclassed():
-    return MLP()
-
-
-@keras.saving.register_keras_serializable(package="user_models")
-class CustomStepModel(keras.Model):
-    """"Customizing what happens in fit()": the guide's own train_step."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.user_steps = keras.metrics.Sum(name="user_steps")
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            y_pred = self(x, training=True)
-            loss = self.compute_loss(y=y, y_pred=y_pred)
-        gradients = tape.gradient(loss, self.trainable_variables)
-        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables))
-        for metric in self.metrics:
-            if metric is self.user_steps:
-                metric.update_state(1.0)
-            elif metric.name == "loss":
-                metric.update_state(loss)
-            else:
-                metric.update_state(y, y_pred)
-        return {m.name: m.result() for m in self.metrics}
-
-
-def custom_train_step():
-    inputs = keras.Input((64,))
-    hidden = keras.layers.Dense(32, activation="relu")(inputs)
-    return CustomStepModel(inputs, keras.layers.Dense(10)(hidden))
-
-
-def bn_dropout():
-    return keras.Sequential([
-        keras.Input((64,)),
-        keras.layers.Dense(32),
-        keras.layers.BatchNormalization(),
-        keras.layers.ReLU(),
-        keras.layers.Dropout(0.2),
-        keras.layers.Dense(10),
-    ])
-
-
-def embedding():
-    """A tiny sequence model on integer tokens."""
-    return keras.Sequential([
-        keras.Input((12,), dtype="int32"),
-        keras.layers.Embedding(50, 8),
-        keras.layers.GlobalAveragePooling1D(),
-        keras.layers.Dense(2),
-    ])
-
-
-def mixed_precision():
-    """"Mixed precision": build under the global policy, float32 outputs."""
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(32, activation="relu")(inputs)
-    x = keras.layers.Dense(10)(x)
-    return keras.Model(inputs, keras.layers.Activation("linear", dtype="float32")(x))
-
-
-mixed_float16 = mixed_bfloat16 = mixed_precision
-
-
-def checkpoint_restart():
-    """"Multi-GPU distributed training with TensorFlow": the guide's functional model
-    (trained with ModelCheckpoint, then restored under the scope and continued)."""
-    inputs = keras.Input((64,))
-    x = keras.layers.Dense(256, activation="relu")(inputs)
-    x = keras.layers.Dense(256, activation="relu")(x)
-    return keras.Model(inputs, keras.layers.Dense(10)(x))
-'''
-
-TRAIN = r'''
-import json, os, sys, time, traceback
-import numpy as np
-import keras
-import tensorflow as tf
-import tfdist_ext
-from tfdist_ext import compression, datasets
-import user_models
-
-STRATEGY, OUT, KINDS = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
-EPOCHS, STEPS, BATCH = 3, 6, 32
-POLICY = json.loads(sys.argv[4])
-os.makedirs(OUT, exist_ok=True)
-
-
-def data(kind):
-    if kind == "embedding":
-        rng = np.random.default_rng(0)
-        x = rng.integers(1, 50, size=(1024, 12)).astype("int32")
-        return x, ((x < 25).mean(1) > 0.5).astype("int64")
-    x, y = datasets.digits("train", flatten=kind != "sequential", as_numpy=True)
-    if kind == "functional_two_inputs":
-        return (x[:, :32], x[:, 32:]), y
-    return x, y
-
-
-def stream(x, y):
-    ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(2048, seed=0).batch(BATCH).repeat()
-    options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
-    return ds.with_options(options)
-
-
-class Batches(keras.callbacks.Callback):
-    def __init__(self):
-        super().__init__()
-        self.seen = 0
-
-    def on_train_batch_end(self, batch, logs=None):
-        self.seen += 1
-
-
-def train(strategy, kind, optimizer, full_batch):
-    x, y = data(kind)
-    user_models.CALLS.update(layer=0, model=0)
-    keras.mixed_precision.set_global_policy(POLICY.get(kind, "float32"))
-    batches = Batches()
-    start = time.time()
-    try:
-        with strategy.scope():
-            model = getattr(user_models, kind)()
-            model.compile(optimizer=optimizer(),
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          metrics=["accuracy"])
-        if kind == "checkpoint_restart":
-            model, history, extra = make_or_restore(strategy, model, x, y, full_batch, batches)
-        else:
-            history, extra = fit(model, x, y, full_batch, EPOCHS, [batches]).history, {}
-        probe = [a[:16] for a in x] if isinstance(x, tuple) else [x[:16]]
-        predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
-        TRAINED[:] = [model, probe, predictions]
-        model.save(os.path.join(OUT, kind + ".keras"))
-        np.savez(os.path.join(OUT, kind + ".npz"), predictions=predictions, *probe)
-        result = {"history": {k: [float(v) for v in vs] for k, vs in history.items()},
-                  "calls": dict(user_models.CALLS), "policy": model.dtype_policy.name, **extra}
-    except Exception as e:
-        result = {"error": type(e).__name__, "message": str(e)[:2000],
-                  "traceback": traceback.format_exc()[-4000:]}
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
-    result.update(batches=batches.seen, seconds=time.time() - start)
-    return result
-
-
-TRAINED = []   # the last trained model, its probe inputs and predictions
-
-
-def after_cluster_block():
-    """The last trained model used after its LocalCluster block has closed."""
-    if not TRAINED:
-        return {"error": "no model was trained"}
-    model, probe, predictions = TRAINED
-    try:
-        again = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
-    except Exception as e:
-        return {"error": f"{type(e).__name__}: {e}"[:2000]}
-    return {"max_diff": float(np.max(np.abs(again - predictions)))}
-
-
-def fit(model, x, y, full_batch, epochs, callbacks):
-    if full_batch:
-        return model.fit(x, y, epochs=epochs, verbose=0, callbacks=callbacks)
-    return model.fit(stream(x, y), epochs=epochs, steps_per_epoch=STEPS, verbose=0,
-                     callbacks=callbacks)
-
-
-def make_or_restore(strategy, model, x, y, full_batch, batches):
-    """The guide's pattern: checkpoint every epoch, restore the latest under the scope, go on."""
-    checkpoint_dir = os.path.join(OUT, "ckpt")
-    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, "ckpt-{epoch}.keras"))
-    first = fit(model, x, y, full_batch, EPOCHS, [batches, checkpoint]).history
-    checkpoints = [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)]
-    latest = max(checkpoints, key=lambda path: int(path.split("-")[-1].split(".")[0]))
-    with strategy.scope():
-        model = keras.models.load_model(latest)
-    restored = int(model.optimizer.iterations.numpy())
-    second = fit(model, x, y, full_batch, 1, [batches]).history
-    return model, {k: first[k] + second[k] for k in first}, {"restored_iterations": restored}
-
-
-def run_all(strategy, optimizer, full_batch=False):
-    results = {}
-    for kind in KINDS:
-        results[kind] = train(strategy, kind, optimizer, full_batch)
-        write(results)
-    return results
-
-
-def write(results, **extra):
-    with open(os.path.join(OUT, "results.json.tmp"), "w") as f:
-        json.dump({"kinds": results, **extra}, f)
-    os.replace(os.path.join(OUT, "results.json.tmp"), os.path.join(OUT, "results.json"))
-
-
-def adam(learning_rate=0.01):
-    return keras.optimizers.Adam(learning_rate)
-
-
-def sgd():
-    return keras.optimizers.SGD(0.05, momentum=0.9)
-
-
-def ef_topk():
-    return compression.get("ef_topk", ratio=0.1)
-
-
-if STRATEGY == "downpour":
-    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        # n_fetch=1: a custom train_step reads the server's variables at every
-        # step (n_fetch > 1 is refused for it, with that advice).
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=1, n_push=2)
-        # A smaller rate than the synchronous strategies': with every push a
-        # step stale, Adam(0.01) on these 6-step epochs oscillates, and about
-        # one fit in five ends an epoch above where it started.
-        results = run_all(strategy, lambda: adam(0.003))
-elif STRATEGY == "elastic":
-    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=4)
-        results = run_all(strategy, sgd)
-elif STRATEGY == "sandblaster":
-    with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:
-        strategy = tfdist_ext.SandblasterStrategy(cluster.resolver)
-        results = run_all(strategy, lambda: tfdist_ext.optimizers.LBFGS(memory=10),
-                          full_batch=True)
-elif STRATEGY == "compressed_mirrored":
-    devices = tfdist_ext.cluster.logical_cpus(2)
-    strategy = tfdist_ext.CompressedMirroredStrategy(devices, compression=ef_topk())
-    results = run_all(strategy, adam)
-elif STRATEGY == "compressed_multiworker":
-    strategy = tfdist_ext.CompressedMultiWorkerMirroredStrategy(compression=ef_topk())
-    results = run_all(strategy, adam)
-elif STRATEGY == "model_parallel":
-    devices = tfdist_ext.cluster.logical_cpus(2)
-    strategy = tfdist_ext.ModelParallelStrategy(devices)
-    results = run_all(strategy, adam)
-else:
-    raise ValueError(f"unknown strategy {STRATEGY!r}")
-extra = {}
-if os.environ.get("MATRIX_AFTER_CLUSTER_BLOCK"):
-    extra["after_cluster_block"] = after_cluster_block()
-write(results, finished=time.time(), **extra)
-'''
-
-LOAD = r"""
-import json, sys
-import numpy as np
-import keras
-import user_models
-
-out, kinds = sys.argv[1], sys.argv[2].split(",")
-results = {}
-for kind in kinds:
-    try:
-        saved = np.load(f"{out}/{kind}.npz")
-        probe = [saved[f"arr_{i}"] for i in range(len(saved.files) - 1)]
-        results[kind] = {}
-        try:
-            model = keras.models.load_model(f"{out}/{kind}.keras")
-        except Exception as e:   # e.g. an optimizer class this process does not have
-            results[kind]["compile_error"] = f"{type(e).__name__}: {e}"[:2000]
-            model = keras.models.load_model(f"{out}/{kind}.keras", compile=False)
-        predictions = model.predict(probe if len(probe) > 1 else probe[0], verbose=0)
-        results[kind]["max_diff"] = float(np.max(np.abs(
-            predictions.astype("float32") - saved["predictions"].astype("float32"))))
-    except Exception as e:
-        results[kind] = {"error": f"{type(e).__name__}: {e}"[:2000]}
-results["imported_tfdist_ext"] = "tfdist_ext" in sys.modules
-print("RESULT " + json.dumps(results), flush=True)
-"""
 
 STRATEGIES = (
     "downpour",
@@ -453,7 +96,7 @@ REFUSALS = {
 # Cells that fail today: a numbered failure of issue 12, or NEW (not in the issue).
 KNOWN_FAILURES = {}
 
-STEPS = 6  # TRAIN's steps_per_epoch (its EPOCHS, STEPS, BATCH line)
+STEPS = 6  # train.py's steps_per_epoch (its EPOCHS, STEPS, BATCH line)
 POLICIES = {"mixed_float16": "mixed_float16", "mixed_bfloat16": "mixed_bfloat16"}
 EXIT_GRACE = 30.0  # seconds a process may take to end after its last statement
 
@@ -478,9 +121,6 @@ class Run:
     def __init__(self, strategy, kinds, directory, env=None):
         self.strategy, self.kinds, self.directory = strategy, list(kinds), directory
         self.env = dict(env or {})
-        (directory / "user_models.py").write_text(USER_MODELS)
-        (directory / "train.py").write_text(TRAIN)
-        (directory / "load.py").write_text(LOAD)
         self.deadline = 120 + 90 * len(self.kinds)
         self.workers = []
         self.loaded = None
@@ -510,7 +150,7 @@ class Run:
         proc = subprocess.Popen(
             [
                 sys.executable,
-                "train.py",
+                os.path.join(PROGRAMS, "train.py"),
                 self.strategy,
                 str(out),
                 ",".join(self.kinds),
@@ -585,7 +225,7 @@ class Run:
             saved = [k for k in self.kinds if (out / f"{k}.keras").exists()]
             env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
             proc = subprocess.run(
-                [sys.executable, "load.py", str(out), ",".join(saved)],
+                [sys.executable, os.path.join(PROGRAMS, "load.py"), str(out), ",".join(saved)],
                 cwd=self.directory,
                 capture_output=True,
                 text=True,
