@@ -328,6 +328,7 @@ def test_server_wait_ends_on_a_signal_another_thread_took(byte):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_throttle_keeps_cycling_while_this_process_holds_the_gil():
     # The stop/continue cycle runs in its own process: a long call holding
     # this process's GIL (a C-level regex scan here; a TensorFlow call that
@@ -383,7 +384,12 @@ def _assert_allocator(output, use_bfc, allocator):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("env", "use_bfc", "allocator"),
-    [(None, "true", "pool"), ({"TF_CPU_ALLOCATOR_USE_BFC": "false"}, "false", "default")],
+    [
+        (None, "true", "pool"),
+        pytest.param(
+            {"TF_CPU_ALLOCATOR_USE_BFC": "false"}, "false", "default", marks=pytest.mark.slow
+        ),
+    ],
 )
 def test_tasks_get_tensorflows_pooling_cpu_allocator(monkeypatch, env, use_bfc, allocator):
     # TensorFlow's BFC allocator keeps statistics, the default one has none:
@@ -396,6 +402,7 @@ def test_tasks_get_tensorflows_pooling_cpu_allocator(monkeypatch, env, use_bfc, 
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.slow
 def test_a_users_allocator_choice_is_kept(monkeypatch):
     from tfdist_ext.cluster._tf_config import set_task_env_defaults
 

@@ -81,16 +81,16 @@ ASYNC_STRATEGIES = [
     pytest.param("downpour", 1, id="downpour"),
     pytest.param("easgd", 2, id="easgd"),
 ]
-# The killed-worker test with EASGD runs under tests-all (20 s): its fault
-# handling is DownpourRuntime's, shared with Downpour's case, which stays.
-KILLED_WORKER_STRATEGIES = [
+# EASGD's cases of the fault tests run in the slow lane (tox -e tests-all):
+# their handling is DownpourRuntime's, shared with Downpour's case, which stays.
+FAULT_STRATEGIES = [
     ASYNC_STRATEGIES[0],
     pytest.param(*ASYNC_STRATEGIES[1].values, id="easgd", marks=pytest.mark.slow),
 ]
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy, _steps_per_push", KILLED_WORKER_STRATEGIES)
+@pytest.mark.parametrize("strategy, _steps_per_push", FAULT_STRATEGIES)
 def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(strategy, _steps_per_push):
     r = run_program("downpour_cases", "killed_worker", strategy, timeout=280)
     assert r["marks"]["killed_alive"] is False
@@ -102,7 +102,7 @@ def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(strategy, _st
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy, steps_per_push", ASYNC_STRATEGIES)
+@pytest.mark.parametrize("strategy, steps_per_push", FAULT_STRATEGIES)
 def test_nan_pushes_are_rejected_counted_and_reported(strategy, steps_per_push):
     # EASGD: a replica turned NaN does not exchange with the centre.
     r = run_program("downpour_cases", "nan_pushes", strategy, timeout=280)
@@ -115,6 +115,7 @@ def test_nan_pushes_are_rejected_counted_and_reported(strategy, steps_per_push):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_warmstart_runs_first_steps_on_one_replica():
     staleness = run_program("downpour_cases", "warmstart", timeout=280)["staleness"]
     assert len(staleness) == 60
@@ -190,6 +191,7 @@ def test_bad_cluster_and_arguments_fail_at_construction():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_compressed_pushes_send_the_wire_form():
     r = run_program("downpour_cases", "compressed_pushes", timeout=280)
     # TopK(0.05) sends 5% of the entries as float32 values + int32 indices.
@@ -202,6 +204,7 @@ def test_compressed_pushes_send_the_wire_form():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_each_replica_is_a_partitioned_model():
     r = run_program("downpour_cases", "partitioned_replicas", timeout=280)
     # Each backward matmul runs on its layer's stage device (d(input) of d1 is
@@ -224,6 +227,7 @@ def test_each_replica_is_a_partitioned_model():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_linear_scaling_schedule_and_warmup_callback_under_downpour():
     r = run_program("downpour_cases", "linear_scaling", timeout=280)
     # The schedule runs on the server with the optimizer: after warm-up the
@@ -236,6 +240,7 @@ def test_linear_scaling_schedule_and_warmup_callback_under_downpour():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_split_variable_is_updated_piece_by_piece_on_its_ps_tasks():
     # A weight split across 2 ps tasks: an elementwise optimizer updates each
     # piece on its own task (the gradient's piece crosses, nothing else), and

@@ -60,6 +60,7 @@ def _epochs(sizes, steps_per_epoch):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_short_epochs_give_every_worker_rounds_pushes_batched_metrics_exact():
     r = run_program("downpour_dispatch_cases", "short_epochs", timeout=280)
     # An epoch of 40 steps on 2 workers: a worker that idles gets the steps
@@ -116,6 +117,7 @@ def test_overlapped_push_and_fetch_lose_no_update_and_count_staleness():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_rounds_start_from_prefetched_parameters_until_weights_are_set():
     # One worker, 2 ps tasks with the hidden kernel split across them. A
     # round's last block fetches the next round's parameters; the worker's

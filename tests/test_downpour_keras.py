@@ -17,6 +17,7 @@ from tests.programs import run_program
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_downpour_runs_custom_train_step_on_the_workers():
     r = run_program("downpour_keras_cases", "custom_train_step", timeout=280)
     # n_fetch > 1 cannot hold for a step that reads the server's variables:
@@ -48,6 +49,7 @@ def test_downpour_runs_custom_train_step_on_the_workers():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_downpour_runs_compute_loss_override():
     r = run_program("downpour_keras_cases", "compute_loss_override", timeout=280)
     # The compute_loss override (the only loss; none is compiled) is what
@@ -64,6 +66,7 @@ def test_downpour_runs_compute_loss_override():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_sandblaster_refuses_custom_train_step_and_runs_compute_loss():
     r = run_program("downpour_keras_cases", "sandblaster_custom_step", timeout=280)
     assert r["refusal"] is not None, "a custom train_step must not be silently skipped"
@@ -80,6 +83,7 @@ def test_sandblaster_refuses_custom_train_step_and_runs_compute_loss():
 
 
 @pytest.mark.timeout(400)
+@pytest.mark.slow
 def test_downpour_mixed_float16_trains_saves_and_loads(tmp_path):
     # Saves tmp_path/mixed.keras and its inputs tmp_path/x.npy.
     r = run_program("downpour_keras_cases", "mixed_float16", tmp_path, timeout=380)
@@ -98,6 +102,7 @@ def test_downpour_mixed_float16_trains_saves_and_loads(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_downpour_schedule_counts_steps_like_plain_keras():
     r = run_program("downpour_keras_cases", "schedule_counts_steps", timeout=280)
     # 42 steps per epoch at n_push=5: 9 pushes per epoch (8 of 5 steps, 1 of

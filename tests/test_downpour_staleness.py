@@ -298,6 +298,7 @@ def test_policies_round_trip_through_config():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_stale_pushes_are_applied_with_lr_over_tau(tmp_path):
     # One worker, n_fetch=4, n_push=1, the same batch at every step: the
     # pushes of a fetch block have staleness 0, 1, 2, 3 (the worker's own
@@ -320,6 +321,7 @@ def test_stale_pushes_are_applied_with_lr_over_tau(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_stale_pushes_get_the_delay_compensation(tmp_path):
     # The same round as above, with SGD(0.1) and DelayCompensation(lam=2.0).
     path = str(tmp_path / "dc.keras")
@@ -391,6 +393,7 @@ def test_ssp_bounds_a_throttled_workers_lag(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_ssp_a_killed_slow_worker_does_not_block_the_others():
     r = run_program("staleness_cases", "ssp_killed_slow_worker", timeout=280)
     assert len(r["loss"]) == 2 and r["stats"]["steps"] == 220

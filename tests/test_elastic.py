@@ -82,7 +82,12 @@ def test_centre_and_replica_follow_the_easgd_rule_exactly():
 # The compiled optimizers (elastic_cases.EXACT_OPTIMIZERS), as plain Keras
 # would build them; options Keras applies itself (weight decay, clipping,
 # loss scaling) included.
-EXACT_OPTIMIZERS = ["adam", "adagrad", "loss_scale"]
+# Adam in the default suite; the others in the slow lane (tox -e tests-all).
+EXACT_OPTIMIZERS = [
+    "adam",
+    pytest.param("adagrad", marks=pytest.mark.slow),
+    pytest.param("loss_scale", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.timeout(300)
@@ -104,6 +109,7 @@ def test_replica_takes_plain_keras_optimizer_steps_between_exchanges(optimizer):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_two_workers_train_digits_with_adaptive_optimizers():
     # DistBelief's Adagrad, Adam, and Adam under mixed_float16 (Keras wraps it
     # in a LossScaleOptimizer, whose loss scale each replica keeps).
@@ -117,6 +123,7 @@ def test_two_workers_train_digits_with_adaptive_optimizers():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_two_workers_train_digits_and_evaluate_the_centre():
     r = run_program("elastic_cases", "digits_and_centre", timeout=280)
     assert r["accuracy"] > 0.9, r

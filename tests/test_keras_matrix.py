@@ -24,8 +24,8 @@ and one cell per strategy checks that the training process ended by itself
 (exit code 0, no ``os._exit``, no gRPC connection errors) soon after its last
 statement.
 
-The default suite runs ``DEFAULT_CELLS`` (every strategy and every model kind
-at least once); the rest of the matrix is marked ``slow``. Cells that fail
+The default suite runs ``DEFAULT_CELLS`` (every model kind at least once);
+the rest of the matrix is marked ``slow``. Cells that fail
 today are strict xfails naming the numbered failure of issue 12, or "NEW".
 """
 
@@ -65,23 +65,20 @@ KINDS = (
     "checkpoint_restart",
 )
 
-# Every strategy and every model kind at least once, in the default suite.
+# Every model kind at least once in the default suite, under the asynchronous
+# and the multi-worker strategy; the other strategies' cells (and the rest of
+# the matrix) in the slow lane, their Keras features being in the default
+# slice of test_conformance.py.
 DEFAULT_CELLS = {
     ("downpour", "sequential"),
     ("downpour", "custom_train_step"),
     ("downpour", "mixed_float16"),
     ("downpour", "checkpoint_restart"),
-    ("elastic", "custom_train_step"),
-    ("elastic", "bn_dropout"),
-    ("elastic", "checkpoint_restart"),
-    ("sandblaster", "custom_train_step"),
-    ("sandblaster", "embedding"),
-    ("compressed_mirrored", "functional_two_inputs"),
-    ("compressed_mirrored", "bn_dropout"),
+    ("compressed_multiworker", "functional_two_inputs"),
     ("compressed_multiworker", "subclassed"),
+    ("compressed_multiworker", "bn_dropout"),
+    ("compressed_multiworker", "embedding"),
     ("compressed_multiworker", "mixed_bfloat16"),
-    ("model_parallel", "custom_train_step"),
-    ("model_parallel", "subclassed"),
 }
 
 # Where a strategy cannot honour the user's code, fit must be refused at once
@@ -342,7 +339,9 @@ def test_keras_program_runs_under_strategy(run_of, strategy, kind):
             s,
             marks=[pytest.mark.xfail(strict=True, reason=EXIT_FAILURES[s])]
             if s in EXIT_FAILURES
-            else [],
+            else []
+            if any(cell[0] == s for cell in DEFAULT_CELLS)
+            else [pytest.mark.slow],
             id=s,
         )
         for s in STRATEGIES
@@ -359,6 +358,7 @@ def test_training_process_exits_by_itself(run_of, strategy):
         assert "Connection refused" not in run.log(w, tail=None), run.log(w)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_sandblaster_model_without_tfdist_ext_loads_uncompiled_or_names_lbfgs(run_of):
     # A Sandblaster model is compiled with tfdist_ext.optimizers.LBFGS, a custom

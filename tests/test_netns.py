@@ -81,6 +81,7 @@ def test_link_rate_both_directions(bandwidth, bits):
 
 @needs_isolation
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_tensorflow_transfer_between_tasks_at_link_rate():
     # A 10 MB variable on /job:ps read by an op on /job:worker crosses the
     # ps task's link and the worker's (both at 100 Mbit/s): 0.84 s of bytes.
@@ -243,6 +244,7 @@ def test_without_privileges_isolation_is_refused_at_construction():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_a_loopback_cluster_warns_once_naming_its_ports():
     # Root without capabilities: the tasks can start, the isolation cannot.
     if os.geteuid() != 0:
@@ -257,6 +259,7 @@ def test_a_loopback_cluster_warns_once_naming_its_ports():
 
 @needs_isolation
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_process_uses_one_kind_of_cluster_network():
     # Reported from inside the block of the default cluster that follows the
     # refusal: that one started.

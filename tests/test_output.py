@@ -37,6 +37,7 @@ def test_fit_on_a_dataset_under_our_strategy_does_not_warn_about_shuffle(cpu_dev
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_lbfgs_progress_at_verbose_1_and_silence_at_verbose_0():
     # What is checked is the whole stdout, a user's view of the run, beside its RESULT.
     proc = run_program("sandblaster_cases", "progress", timeout=220, expect_ok=False)

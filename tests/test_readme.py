@@ -75,17 +75,15 @@ def all_blocks():
     return blocks
 
 
-# Blocks left to the slow run (tox -e tests-all), each with the default test
-# that runs the same program and checks more of it.
-SLOW_BLOCKS = {
-    # 50 s of L-BFGS to convergence: test_sandblaster.py's
-    # test_fit_matches_scipy_lbfgs_b runs this cluster, model and optimizer.
-    "sandblaster-an-example",
-}
+# The default suite runs the README's blocks; the guides' blocks run in the
+# slow lane (tox -e tests-all), each guide's strategy having default tests of
+# its own.
+with open(README, encoding="utf-8") as _f:
+    README_SECTIONS = {section for section, _ in python_blocks(_f.read())}
 
 
 def _block(section, code):
-    marks = [pytest.mark.slow] if section in SLOW_BLOCKS else []
+    marks = [] if section in README_SECTIONS else [pytest.mark.slow]
     return pytest.param(code, id=section, marks=marks)
 
 
@@ -95,7 +93,7 @@ BLOCKS = all_blocks()
 def test_readme_python_blocks_are_found():
     sections = [section for section, _ in BLOCKS]
     assert len(sections) == len(set(sections)) >= 5, sections
-    assert SLOW_BLOCKS <= set(sections), SLOW_BLOCKS - set(sections)
+    assert README_SECTIONS <= set(sections), README_SECTIONS - set(sections)
 
 
 @pytest.mark.timeout(300)

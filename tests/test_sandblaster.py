@@ -166,6 +166,7 @@ def test_strategy_argument_errors():
 # ---------------------------------------------------------------- on a cluster
 
 
+@pytest.mark.slow
 def test_fit_matches_scipy_lbfgs_b(tmp_path):
     """Keras fit on digits (sharded kernel on 2 ps) reaches SciPy's optimum; metrics, save/load."""
     r = run_program(
@@ -216,6 +217,7 @@ def test_backups_stragglers_and_a_killed_worker_keep_results_exact():
     assert abs(r["loss_now"] - r["fun"]) / r["fun"] < 1e-5
 
 
+@pytest.mark.slow
 def test_nan_stops_with_the_iteration_and_keeps_good_parameters():
     r = run_program("sandblaster_cases", "nan_stops", timeout=240)
     assert r["message"] and "NaN or Inf" in r["message"], r
@@ -227,6 +229,7 @@ def test_nan_stops_with_the_iteration_and_keeps_good_parameters():
     assert r["w2_untouched"]
 
 
+@pytest.mark.slow
 def test_a_stuck_worker_without_backups_fails_at_the_deadline():
     r = run_program("sandblaster_cases", "stuck_worker", timeout=120)
     assert r["error"] and "no slice finished for 5 s" in r["error"], r
