@@ -1,5 +1,6 @@
 """CompressedMirroredStrategy: exact aggregation, per-replica state, bytes, fit, checkpoints."""
 
+import os
 import shutil
 
 import keras
@@ -9,7 +10,7 @@ import tensorflow as tf
 
 from tfdist_ext import compression as C
 from tfdist_ext import datasets
-from tfdist_ext.callbacks._compression import CompressedBackupAndRestore
+from tfdist_ext.callbacks import CompressedBackupAndRestore
 from tfdist_ext.callbacks._compression import CompressionLogger
 
 pytestmark = pytest.mark.timeout(180)
@@ -232,9 +233,13 @@ class _Interrupt(keras.callbacks.Callback):
             raise RuntimeError("simulated preemption")
 
 
-def test_backup_and_restore_resumes_with_the_residuals(cpu_devices, tmp_path):
+def _digits_128():
     x, y = datasets.digits("train", flatten=True, as_numpy=True)
-    x, y = x[:128], y[:128]
+    return x[:128], y[:128]
+
+
+def test_backup_and_restore_resumes_with_the_residuals(cpu_devices, tmp_path):
+    x, y = _digits_128()
 
     def build():
         strategy = _strategy(cpu_devices[:2], C.ErrorFeedback(C.TopK(0.02)))
@@ -251,20 +256,108 @@ def test_backup_and_restore_resumes_with_the_residuals(cpu_devices, tmp_path):
     interrupted = build()
     with pytest.raises(RuntimeError, match="simulated preemption"):
         fit(interrupted, [CompressedBackupAndRestore(backup), _Interrupt(2)])
-    shutil.copytree(backup, backup + "_copy")
     resumed = build()
     fit(resumed, [CompressedBackupAndRestore(backup)])
     assert resumed.optimizer.iterations.numpy() == 4 * 4
     for a, b in zip(straight.get_weights(), resumed.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    # Control: Keras' own BackupAndRestore resumes without the residuals.
-    plain = build()
-    fit(plain, [keras.callbacks.BackupAndRestore(backup + "_copy")])
-    assert plain.optimizer.iterations.numpy() == 4 * 4
+
+
+STATEFUL_COMPRESSORS = [
+    pytest.param(lambda: C.DGC(sparsity=0.99, warmup_epochs=2), id="dgc"),
+    # The other stateful compressors in the slow lane (tox -e tests-all);
+    # error feedback's residuals resume in the test above.
+    pytest.param(lambda: C.PowerSGD(rank=1), id="powersgd", marks=pytest.mark.slow),
+    pytest.param(lambda: C.ErrorFeedback(C.TopK(0.02)), id="ef_topk", marks=pytest.mark.slow),
+    pytest.param(C.EFSignSGD, id="ef_signsgd", marks=pytest.mark.slow),
+    pytest.param(C.OneBit, id="one_bit", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("compressor", STATEFUL_COMPRESSORS)
+def test_keras_backup_and_restore_resumes_the_compressor_state(cpu_devices, tmp_path, compressor):
+    # Issue 41: a run interrupted at an epoch boundary and resumed (a new
+    # strategy and model, as in a fresh process) through Keras's own
+    # BackupAndRestore ends with the uninterrupted run's weights: the
+    # compressor's state was saved and restored with the model.
+    x, y = _digits_128()
+
+    def fit(callbacks=(), state_dropped_from=None):
+        strategy = _strategy(cpu_devices[:2], compressor())
+        keras.utils.set_random_seed(2)
+        with strategy.scope():
+            model = _model()
+        if state_dropped_from:
+            shutil.rmtree(os.path.join(state_dropped_from, "compression_state"))
+        model.fit(
+            x, y, batch_size=32, epochs=4, shuffle=False, verbose=0, callbacks=list(callbacks)
+        )
+        return model
+
+    straight = fit()
+    backup = str(tmp_path / "backup")
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        fit([keras.callbacks.BackupAndRestore(backup), _Interrupt(2)])
+    assert os.listdir(os.path.join(backup, "compression_state"))
+    shutil.copytree(backup, backup + "_copy")
+    resumed = fit([keras.callbacks.BackupAndRestore(backup)])
+    assert resumed.optimizer.iterations.numpy() == 4 * 4
+    for a, b in zip(straight.get_weights(), resumed.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    # Control: the same resume without the saved state ends elsewhere.
+    stateless = fit([keras.callbacks.BackupAndRestore(backup + "_copy")], backup + "_copy")
+    assert stateless.optimizer.iterations.numpy() == 4 * 4
     assert any(
         not np.allclose(a, b, atol=1e-6)
-        for a, b in zip(straight.get_weights(), plain.get_weights())
+        for a, b in zip(straight.get_weights(), stateless.get_weights())
     )
+
+
+def test_a_backup_of_another_compressors_state_is_refused_naming_both(cpu_devices, tmp_path):
+    # Issue 41: resuming with another compressor would read one method's
+    # residuals as another's state. fit refuses before the first batch,
+    # naming both, and leaves the backup as it was.
+    x, y = _digits_128()
+    backup = str(tmp_path / "backup")
+
+    strategy = _strategy(cpu_devices[:2], C.ErrorFeedback(C.TopK(0.02)))
+    with strategy.scope():
+        model = _model()
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(2)],
+        )
+    saved = sorted(os.listdir(backup))
+    batches = _Batches()
+    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99))
+    with strategy.scope():
+        model = _model()
+    with pytest.raises(ValueError) as error:
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), batches],
+        )
+    assert "ErrorFeedback(" in str(error.value) and "DGC(" in str(error.value), error.value
+    assert batches.seen == 0
+    assert sorted(os.listdir(backup)) == saved
+
+
+class _Batches(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.seen += 1
 
 
 def test_only_the_wire_form_is_exchanged(cpu_devices):

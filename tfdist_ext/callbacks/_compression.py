@@ -1,6 +1,5 @@
 """A Keras callback logging the bytes a compressed strategy put on the wire (internal)."""
 
-import os
 import time
 
 import keras
@@ -108,58 +107,3 @@ class CompressionLogger(keras.callbacks.Callback):
 
     def get_config(self):
         return {"verbose": self.verbose}
-
-
-@keras.saving.register_keras_serializable(package="tfdist_ext")
-class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
-    """``keras.callbacks.BackupAndRestore`` that also backs up the per-replica compressor state.
-
-    Keras' callback saves the model and optimizer weights; the error-feedback
-    residuals and DGC momenta of a compressed strategy live outside the model,
-    so this callback writes them next to the weights (a ``tf.train.Checkpoint``
-    of ``strategy.compression_state`` in ``backup_dir/compression_state``) and
-    restores them when
-    training resumes, before the first step creates them.
-
-    Args:
-      backup_dir: as for ``BackupAndRestore``.
-      strategy: the compressed strategy; default ``model.distribute_strategy``.
-      **kwargs: ``save_freq``, ``double_checkpoint``, ``delete_checkpoint``.
-
-    Example:
-      >>> cb = CompressedBackupAndRestore("/tmp/backup")
-      >>> model.fit(ds, epochs=10, callbacks=[cb])   # doctest: +SKIP
-    """
-
-    def __init__(self, backup_dir: str, strategy: tf.distribute.Strategy | None = None, **kwargs):
-        super().__init__(backup_dir, **kwargs)
-        self.strategy = strategy
-
-    def _compressed_strategy(self):
-        return CompressionLogger(self.strategy)._bind(self.model)
-
-    def _state_dir(self):
-        return os.path.join(self.backup_dir, "compression_state")
-
-    def _checkpoint(self):
-        strategy = self._compressed_strategy()
-        return tf.train.Checkpoint(compression=strategy.compression_state)
-
-    def _load_model(self):
-        super()._load_model()
-        latest = tf.train.latest_checkpoint(self._state_dir())
-        if latest:
-            self._checkpoint().restore(latest)
-
-    def _save_model(self):
-        super()._save_model()
-        ckpt = self._checkpoint()
-        tf.train.CheckpointManager(ckpt, self._state_dir(), max_to_keep=2).save()
-
-    def get_config(self):
-        return {
-            "backup_dir": self.backup_dir,
-            "save_freq": self.save_freq,
-            "double_checkpoint": self.double_checkpoint,
-            "delete_checkpoint": self.delete_checkpoint,
-        }

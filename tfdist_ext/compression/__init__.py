@@ -22,6 +22,7 @@ Example:
   ...     compression=compression.DGC(sparsity=0.999, steps_per_epoch=50))
 """
 
+from tfdist_ext.compression._backup import CompressedBackupAndRestore
 from tfdist_ext.compression._base import Compressor
 from tfdist_ext.compression._base import ErrorFeedback
 from tfdist_ext.compression._compressors import BF16
@@ -48,7 +49,7 @@ from tfdist_ext.compression._strategy import MultiWorkerMirroredStrategy
 
 def __getattr__(name):
     # Lazy: the callback lives in tfdist_ext.callbacks (another package).
-    if name in ("CompressionLogger", "CompressedBackupAndRestore"):
+    if name == "CompressionLogger":
         from tfdist_ext.callbacks import _compression
 
         return getattr(_compression, name)

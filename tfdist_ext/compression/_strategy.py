@@ -36,6 +36,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext.compression import _backup
 from tfdist_ext.compression import _wire
 from tfdist_ext.compression import _worker_files
 from tfdist_ext.compression._base import Compressor
@@ -115,10 +116,15 @@ class _CompressedExchange:
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         call = inspect.signature(keras_fit).bind(model, *args, **kwargs)
         _refuse_what_keras_mirrored_breaks(model, self, call.arguments.get("x"))
-        if not self._compression.follows_epochs:
-            return keras_fit(model, *args, **kwargs)
-        clock = _EpochClock(self._epoch_variable())
         callbacks = call.arguments.get("callbacks")
+        if not isinstance(self._compression, NoCompression):
+            # Keras's BackupAndRestore, as the user passes it, resumes the
+            # compressor's state too (a dense exchange keeps none).
+            callbacks = _backup.with_state_backups(self, callbacks)
+            call.arguments["callbacks"] = callbacks
+        if not self._compression.follows_epochs:
+            return keras_fit(*call.args, **call.kwargs)
+        clock = _EpochClock(self._epoch_variable())
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.append(clock)
         else:
