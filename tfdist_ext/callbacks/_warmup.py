@@ -71,7 +71,9 @@ class MomentumCorrection(keras.callbacks.Callback):
 def correct_momentum(optimizer, previous, counter=None):
     """Scales SGD velocities by ``rate / previous`` if the rate changed; returns the rate."""
     rate = _current_rate(optimizer)
-    if previous and rate != previous and optimizer.built:
+    # Before the first step there is no velocity to correct.
+    stepped = optimizer.built and int(optimizer.iterations.numpy()) > 0
+    if previous and rate != previous and stepped:
         _scale_momentum(optimizer, rate / previous)
         if counter is not None:
             counter.corrections += 1
@@ -213,6 +215,10 @@ class LinearScalingWarmup(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         optimizer = self.model.optimizer
+        if self.momentum_correction and self._previous_rate is None:
+            # The rate the velocity was made with: in a fit resumed by
+            # BackupAndRestore, the rate restored with the optimizer.
+            self._previous_rate = _current_rate(optimizer)
         if not self._done:
             self._set_rate(optimizer)
         if self.momentum_correction:
