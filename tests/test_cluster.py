@@ -209,6 +209,7 @@ def test_unknown_task_is_a_clear_error():
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_talk_to_every_task_through_tensorflow():
     # The chief connects with TensorFlow's own runtime, runs an op on every
     # task, then a killed worker gives an error (not a hang) while the others

@@ -103,6 +103,7 @@ def test_killed_worker_fit_carries_on_and_restarted_worker_rejoins(strategy, _st
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, steps_per_push", FAULT_STRATEGIES)
+@pytest.mark.slow
 def test_nan_pushes_are_rejected_counted_and_reported(strategy, steps_per_push):
     # EASGD: a replica turned NaN does not exchange with the centre.
     r = run_program("downpour_cases", "nan_pushes", strategy, timeout=280)
@@ -284,6 +285,7 @@ def test_a_push_of_n_steps_is_one_sgd_step_of_n_times_the_rate():
 
 
 @pytest.mark.timeout(200)
+@pytest.mark.slow
 def test_a_dataset_made_before_the_strategy_is_named_as_the_cause():
     """TensorFlow's own error ("... CPU:0 unknown device") does not say that the
     dataset belongs to the runtime the strategy's connection replaced."""

@@ -189,7 +189,8 @@ def test_reads_the_replicas_of_mirrored_strategy():
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    "strategy, per_replica", [("compressed_mirrored", 8), ("model_parallel", 16)]
+    "strategy, per_replica",
+    [pytest.param("compressed_mirrored", 8, marks=pytest.mark.slow), ("model_parallel", 16)],
 )
 def test_works_under_the_package_strategies(strategy, per_replica):
     # Same rule, same rates under the package's own strategies: the callback

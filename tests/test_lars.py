@@ -221,6 +221,7 @@ def test_fit_on_digits_reduces_the_loss():
     assert history["accuracy"][-1] > 0.85
 
 
+@pytest.mark.slow
 def test_save_and_load_keeps_the_optimizer(tmp_path):
     x, y = _digits()
     keras.utils.set_random_seed(0)

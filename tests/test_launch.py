@@ -226,6 +226,7 @@ def test_kubernetes_rehearsal_trains_synchronously_on_dict_inputs(tmp_path):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_each_worker_reads_its_own_input_from_a_function(tmp_path):
     # distribute_datasets_from_function on 127.0.0.1 through the launcher.
     proc = _launch_two_local_workers(

@@ -99,6 +99,7 @@ def _listening_ports():
 
 @needs_isolation
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_isolated_ports_do_not_listen_in_the_host_namespace():
     # The chief script starts an isolated cluster, connects this process's
     # TensorFlow runtime (its own server listens on the chief's port), checks

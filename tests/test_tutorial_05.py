@@ -10,6 +10,7 @@ def short(device):
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.slow
 def test_tutorial_05_runs(tutorial):
     r = tutorial("05_model_parallelism.py", timeout=230)
     # 1. The partitioned model trains; its plan uses both devices.
