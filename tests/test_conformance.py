@@ -20,6 +20,7 @@ import os
 
 import pytest
 
+from tests.programs import ProgramError
 from tests.programs import run_program
 from tests.programs import run_workers
 from tests.programs.conformance import FEATURES
@@ -65,14 +66,31 @@ def _selected_features(session, strategy):
 
 
 def _runs(request, strategy):
-    """The strategy's program run once for all its selected cells."""
+    """The strategy's program run once for all its selected cells (a failed
+    run fails each of them with its error, without running again)."""
     if strategy not in _RUNS:
         features = _selected_features(request.session, strategy)
-        if strategy == "compressed_multiworker":
-            _RUNS[strategy] = run_workers("conformance", strategy, *features, timeout=1200)
-        else:
-            _RUNS[strategy] = run_program("conformance", strategy, *features, timeout=1200)
+        try:
+            _RUNS[strategy] = _run(request, strategy, features)
+        except ProgramError as e:
+            _RUNS[strategy] = e
+    if isinstance(_RUNS[strategy], ProgramError):
+        raise _RUNS[strategy]
     return _RUNS[strategy]
+
+
+def _run(request, strategy, features):
+    if strategy != "compressed_multiworker":
+        return run_program("conformance", strategy, *features, timeout=1200)
+    shared = request.getfixturevalue("tmp_path_factory").mktemp("shared")
+    workers = run_workers(
+        "conformance",
+        strategy,
+        *features,
+        timeout=1200,
+        env={"CONFORMANCE_SHARED_DIR": str(shared)},
+    )
+    return {**run_program("conformance", "keras", *features, timeout=1200), **workers}
 
 
 def _record(strategy, feature, verdict):

@@ -72,11 +72,12 @@ def run_program(name, *args, timeout=300, env=None, expect_ok=True):
     return result
 
 
-def run_workers(name, *args, num_workers=2, timeout=600, every=False):
+def run_workers(name, *args, num_workers=2, timeout=600, every=False, env=None):
     """Runs ``python -m tests.programs.NAME ARGS`` as every task of a
     ``worker`` cluster (each with its own ``TF_CONFIG``, ports on
     127.0.0.1), as MultiWorkerMirroredStrategy programs run; worker 0's RESULT
-    (``every=True``: the list of every worker's, in task order).
+    (``every=True``: the list of every worker's, in task order). ``env`` adds
+    to every task's environment.
 
     Every task is killed when one fails or the deadline passes.
     """
@@ -86,12 +87,13 @@ def run_workers(name, *args, num_workers=2, timeout=600, every=False):
     procs = []
     for index in range(num_workers):
         config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": index}}
-        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(config))
+        task_env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", TF_CONFIG=json.dumps(config))
+        task_env.update(env or {})
         procs.append(
             subprocess.Popen(
                 program_command(name, *args),
                 cwd=REPO,
-                env=env,
+                env=task_env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
