@@ -55,7 +55,8 @@ def test_two_worker_processes_other_families(name, kwargs, min_ratio):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("pack", [pytest.param(0, marks=pytest.mark.slow), 1_000_000])
+@pytest.mark.parametrize("pack", [0, 1_000_000])
+@pytest.mark.slow
 def test_two_worker_sum_is_a_subdivided_ring(pack):
     """The summable exchange's all-reduce across processes: exact sums, a ring
     TensorFlow may subdivide, one collective per dtype and pack."""

@@ -70,6 +70,7 @@ def test_bad_arguments(call, message):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow
 def test_from_tfds_local_data_dir_with_tfds_mock_data(tmp_path):
     import tensorflow_datasets as tfds
 

@@ -374,6 +374,7 @@ def test_delay_compensation_uses_the_parameters_each_overlapped_push_was_compute
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_ssp_bounds_a_throttled_workers_lag(tmp_path):
     path = str(tmp_path / "ssp.keras")
     r = run_program("staleness_cases", "ssp_throttled", path, timeout=280)

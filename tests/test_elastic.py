@@ -145,6 +145,7 @@ def test_two_workers_train_digits_and_evaluate_the_centre():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_what_easgd_cannot_train_is_refused_before_the_first_step():
     refused = run_program("elastic_cases", "refused_before_the_first_step", timeout=280)["refused"]
     expected = {

@@ -251,6 +251,7 @@ def test_save_and_load_keeps_the_optimizer(tmp_path):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_mirrored_strategy_matches_one_device():
     # In a fresh interpreter: a plain tf.distribute.MirroredStrategy restarts
     # TensorFlow's collective keys at the first group and instance, which the

@@ -101,13 +101,8 @@ def _check_final_parameters(proc):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize(
-    "block",
-    [
-        pytest.param(True, id="with_block"),
-        pytest.param(False, id="left_to_exit", marks=pytest.mark.slow),
-    ],
-)
+@pytest.mark.parametrize("block", [True, False], ids=["with_block", "left_to_exit"])
+@pytest.mark.slow
 def test_connected_script_ends_without_rpc_errors(block):
     # connect()'s own example, no strategy: the cluster makes this process's
     # runtime local before its tasks stop (in stop(), or at exit when the

@@ -280,6 +280,7 @@ def test_a_process_uses_one_kind_of_cluster_network():
 
 @needs_isolation
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_spmd_program_as_the_worker_tasks():
     # Two workers of a CompressedMultiWorkerMirroredStrategy (a MultiWorkerMirroredStrategy
     # whose all-reduce sends fp16), each its own process and namespace.

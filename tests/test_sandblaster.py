@@ -236,6 +236,7 @@ def test_a_stuck_worker_without_backups_fails_at_the_deadline():
     assert r["seconds"] < 30
 
 
+@pytest.mark.slow
 def test_bad_inputs_are_clear_errors():
     r = run_program("sandblaster_cases", "bad_inputs", timeout=200)
     e = r["errors"]
