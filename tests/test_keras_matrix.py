@@ -66,9 +66,9 @@ KINDS = (
 )
 
 # The default suite runs the asynchronous and the multi-worker strategy on the
-# Keras guides' main model kinds; the other strategies' cells and the rest of
-# the kinds (bn_dropout, embedding, mixed_float16) run in the slow lane, the strategies'
-# Keras features being in the default slice of test_conformance.py.
+# Keras guides' main model kinds; the other strategies' cells and the other
+# kinds (bn_dropout, embedding, mixed_float16) run in the slow lane, the
+# strategies' Keras features being in the default slice of test_conformance.py.
 DEFAULT_CELLS = {
     ("downpour", "sequential"),
     ("downpour", "custom_train_step"),
