@@ -2,12 +2,15 @@
 the ``tfdist-ext`` command line and its server."""
 
 import functools
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from tests.programs import REPO
@@ -153,6 +156,51 @@ def test_a_strategy_refuses_a_cluster_spec_naming_a_wrong_or_dead_task():
         ):
             DownpourStrategy(resolver(dict(spec, ps=[dead])), deadline=2)
         assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(300)
+def test_a_second_chief_is_refused_and_the_first_trains_on(tmp_path):
+    """A second job pointed at parameter servers a first job trains on is refused
+    at once, naming the first chief; the first trains on unharmed. Once the first
+    has ended, a new chief takes the cluster over."""
+    result = run_program("cluster_cases", "second_chief", tmp_path / "stop", timeout=280)
+    assert result["training"]
+    second = result["second"]
+    assert second["error"] == "ClusterError"
+    assert f"the chief at {result['first_chief']} is connected to ps:0" in second["message"]
+    assert result["first_exit"] == 0 and result["first"]["error"] is None
+    np.testing.assert_allclose(result["first"]["kernel"], [1.0] * 4, atol=0.05)
+    assert result["third"]["error"] is None
+    np.testing.assert_allclose(result["third"]["kernel"], [-1.0] * 4, atol=0.05)
+
+
+@pytest.mark.timeout(60)
+def test_a_second_task_at_a_taken_address_exits_2_naming_it():
+    """Two tasks given the same TF_CONFIG index: the second cannot listen, and
+    says so in one line."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        config = {
+            "cluster": {"worker": [f"127.0.0.1:{free_port()}"], "ps": [address]},
+            "task": {"type": "ps", "index": 0},
+        }
+        proc = subprocess.run(
+            [sys.executable, "-m", "tfdist_ext.server", "--no-warning"],
+            capture_output=True,
+            text=True,
+            env=dict(os.environ, TF_CONFIG=json.dumps(config)),
+            timeout=50,
+            stdin=subprocess.DEVNULL,
+        )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"tfdist-ext server: error: task ps:0 cannot listen on {address}: another process "
+        "holds that port (two tasks given the same TF_CONFIG task index?)"
+    )
+    assert proc.stdout == ""
 
 
 @pytest.mark.timeout(60)

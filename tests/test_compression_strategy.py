@@ -351,6 +351,46 @@ def test_a_backup_of_another_compressors_state_is_refused_naming_both(cpu_device
     assert sorted(os.listdir(backup)) == saved
 
 
+def test_a_backup_of_another_model_is_refused_naming_the_shapes(cpu_devices, tmp_path):
+    """Keras's BackupAndRestore under a compressed strategy, resumed with a wider
+    model: refused before the first batch with the variable shapes that differ
+    (Keras's own check, not bypassed by the compressor state's restore)."""
+    x, y = _digits_128()
+    backup = str(tmp_path / "backup")
+    strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99))
+    with strategy.scope():
+        model = _model()
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(2)],
+        )
+    saved = sorted(os.listdir(backup))
+    batches = _Batches()
+    with strategy.scope():
+        wider = keras.Sequential(
+            [keras.Input((64,)), keras.layers.Dense(48, activation="relu"), keras.layers.Dense(10)]
+        )
+        wider.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
+    with pytest.raises(
+        ValueError, match=r"variable.shape=\(64, 48\), Received: value.shape=\(64, 32\)"
+    ):
+        wider.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), batches],
+        )
+    assert batches.seen == 0
+    assert sorted(os.listdir(backup)) == saved
+
+
 class _Batches(keras.callbacks.Callback):
     def __init__(self):
         super().__init__()

@@ -20,6 +20,7 @@ import keras
 import tensorflow as tf
 
 from tfdist_ext import _integration
+from tfdist_ext._chief_lease import ChiefLease
 from tfdist_ext._stderr import native_log_without
 from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
@@ -105,6 +106,23 @@ def _check_tasks(owner, spec, deadline):
                 )
 
 
+def _connect(owner, spec, connect):
+    """Runs ``connect`` (the base strategy's constructor, which connects this
+    process to the cluster); a chief address another process listens on is
+    named, with its likely cause."""
+    try:
+        connect()
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" not in e.message:
+            raise
+        address = (spec.get("chief") or ["(none)"])[0]
+        raise ClusterError(
+            f"{owner}: could not listen on this chief's address {address}: another "
+            "process holds that port. Is a second chief running with the same "
+            "TF_CONFIG? Stop it, or give this chief a free port."
+        ) from None
+
+
 # What TensorFlow says of an op or variable made on this process's runtime
 # before a strategy connected it to the cluster (it is gone with that runtime),
 # whichever device it was on.
@@ -164,7 +182,13 @@ class ParameterServerBase(_PSSV2):
             partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
                 min_shard_bytes=self.min_shard_bytes, max_shards=num_ps
             )
-        super().__init__(cluster_resolver, variable_partitioner=partitioner)
+        _connect(
+            owner,
+            spec,
+            lambda: _PSSV2.__init__(self, cluster_resolver, variable_partitioner=partitioner),
+        )
+        self._lease = ChiefLease(owner, spec)
+        self._lease.claim(timeout=min(self.deadline, 5.0))
         _integration.use_extended(self, PlacementExtended(self, cluster_resolver, partitioner))
         _integration.make_sharded_variables_readable()
         self._closed = False
@@ -254,6 +278,8 @@ class ParameterServerBase(_PSSV2):
             finally:
                 gc.collect()  # remote handles go while their tasks still answer
                 if not ParameterServerBase._open:
+                    if not any(job == "ps" and index == 0 for job, index, _ in dead):
+                        self._lease.release()
                     _integration.disconnect_from_cluster()
 
     def _check_open(self):

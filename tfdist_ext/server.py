@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PORT_TAKEN = (b"Failed to add port to server", b"Could not start gRPC server")
+
+
 def _serve(args):
     require = ("ps", "worker") if args.strategy == "ps" else ()
     try:
@@ -130,7 +133,8 @@ def _serve(args):
 
     set_task_env_defaults(os.environ)
     _skip_tensorflows_keras_import()
-    with native_log_without(TF_START_UP_NOISE):
+    # A port another process holds is said in one line below, not in gRPC's two.
+    with native_log_without(TF_START_UP_NOISE + _PORT_TAKEN):
         # After the task's environment is set: TensorFlow reads it when it loads.
         import tensorflow as tf
 
@@ -140,15 +144,24 @@ def _serve(args):
             intra_op_parallelism_threads=args.intra_op_threads,
             device_count={"CPU": args.cpu_devices},
         )
-        server = tf.distribute.Server(
-            tf.train.ClusterSpec(cluster),
-            job_name=task_type,
-            task_index=task_index,
-            protocol="grpc",
-            config=config,
-            start=True,
-        )
-    address = cluster[task_type][task_index]
+        address = cluster[task_type][task_index]
+        try:
+            server = tf.distribute.Server(
+                tf.train.ClusterSpec(cluster),
+                job_name=task_type,
+                task_index=task_index,
+                protocol="grpc",
+                config=config,
+                start=True,
+            )
+        except tf.errors.UnknownError:
+            print(
+                f"tfdist-ext server: error: task {task_type}:{task_index} cannot listen on "
+                f"{address}: another process holds that port (two tasks given the same "
+                "TF_CONFIG task index?)",
+                file=sys.stderr,
+            )
+            return 2
     if not args.no_warning:
         print(
             _SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]), file=sys.stderr, flush=True

@@ -85,7 +85,99 @@ def server_wait(byte):
                 return
 
 
-CASES = {fn.__name__: fn for fn in (hold_cluster, talk_to_tasks, server_wait)}
+def chief(spec_json, sign, stop_file):
+    """A Downpour chief on the cluster ``spec_json`` fitting ``y = sign * sum(x)``.
+
+    Prints ``TRAINING`` after each epoch and trains on, for 20 epochs at least,
+    until ``stop_file`` exists; reports its final kernel, or the type and text of its error.
+    """
+    import json
+    import os
+
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist_ext import DownpourStrategy
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(json.loads(spec_json)), task_type="chief", task_id=0
+    )
+
+    def until_told(epoch, logs):
+        print("TRAINING", flush=True)
+        model.stop_training = epoch >= 19 and os.path.exists(stop_file)
+
+    x = np.random.RandomState(0).randn(256, 4).astype("float32")
+    y = float(sign) * x.sum(axis=1, keepdims=True)
+    try:
+        strategy = DownpourStrategy(resolver, deadline=20)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.SGD(0.05), "mse")
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=10_000,
+            verbose=0,
+            callbacks=[keras.callbacks.LambdaCallback(on_epoch_end=until_told)],
+        )
+        strategy.close()
+    except Exception as e:  # noqa: BLE001 -- the test reads which error
+        report({"error": type(e).__name__, "message": str(e)})
+        return
+    report({"error": None, "kernel": model.get_weights()[0].ravel().tolist()})
+
+
+def second_chief(stop_file):
+    """A first chief trains on a LocalCluster; a second chief (another address)
+    starts meanwhile; a third starts after the first has ended. Reports each
+    chief's RESULT (see :func:`chief`) and the first's exit code."""
+    import json
+    import pathlib
+    import subprocess
+
+    from tests.programs import program_command
+    from tests.programs import result_of
+    from tfdist_ext.cluster import LocalCluster
+    from tfdist_ext.cluster import free_port
+
+    def run(spec, sign):
+        command = program_command("cluster_cases", "chief", json.dumps(spec), sign, stop_file)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        return result_of(done.stdout)
+
+    # The chiefs start from this thread: with an isolated cluster it is in its network.
+    with LocalCluster(num_workers=1, num_ps=1, verbose=0) as cluster:
+        spec = cluster.cluster_spec.as_dict()
+        host = spec["chief"][0].rsplit(":", 1)[0]
+        other = dict(spec, chief=[f"{host}:{free_port()}"])
+        command = program_command("cluster_cases", "chief", json.dumps(spec), 1, stop_file)
+        first = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        try:
+            training = "TRAINING" in first.stdout.readline()
+            second = run(other, -1)
+            pathlib.Path(stop_file).touch()
+            out, _ = first.communicate(timeout=120)
+        finally:
+            first.kill()
+        third = run(other, -1)
+    report(
+        {
+            "first_chief": spec["chief"][0],
+            "training": training,
+            "first": result_of(out),
+            "first_exit": first.returncode,
+            "second": second,
+            "third": third,
+        }
+    )
+
+
+CASES = {fn.__name__: fn for fn in (hold_cluster, talk_to_tasks, server_wait, chief, second_chief)}
 
 
 def main(argv):
