@@ -130,6 +130,25 @@ def _cpu(run):
     return sum(run["cpu_ms_per_batch"].values())
 
 
+def _cores(run):
+    """Cores each kind of process kept busy during the timed epochs: its CPU
+    seconds per second of training (the machine has 2)."""
+    batches_per_second = run["examples_per_second"] / 64
+    return {job: ms * batches_per_second / 1e3 for job, ms in run["cpu_ms_per_batch"].items()}
+
+
+def _time_rows(model, network, runs):
+    """Per system of a case: examples/s and the cores its chief, ps and workers used."""
+    rows = []
+    for name, rs in runs.items():
+        cores = [_cores(r) for r in rs]
+        busy = {job: _harness.median([c.get(job, 0.0) for c in cores]) for job in JOBS}
+        total = _harness.median([sum(c.values()) for c in cores])
+        eps = _harness.median([r["examples_per_second"] for r in rs])
+        rows.append([model, network, name, eps, *busy.values(), total, 2.0 - total])
+    return rows
+
+
 def _medians(runs):
     """Per system: medians of examples/s, accuracy and CPU, and the examples trained."""
     return {
@@ -227,6 +246,19 @@ def _figures(model, network, runs):
     return figures
 
 
+JOBS = ("chief", "ps", "worker")
+TIME_COLUMNS = [
+    "model",
+    "network",
+    "system",
+    "ex/s",
+    "chief cores",
+    "ps cores",
+    "worker cores",
+    "cores busy",
+    "cores idle",
+]
+
 #: The README's compact table (the Benchmarks page has every column).
 README_COLUMNS = ["model", "network", "row", "cand/peer", "to acc", "cand acc", "peer acc"]
 COLUMNS = [
@@ -253,17 +285,19 @@ COLUMNS = [
 def run(quick=False, seed=0):
     repeats = 1 if quick else 3
     failure = _keras3_mwms_error(seed)
-    figures, rows, plan = [], [], _plan(quick)
+    figures, rows, time_rows, plan = [], [], [], _plan(quick)
     for model, network, steps, warmup, epochs, systems in plan:
         runs = _measure_case(model, network, steps, warmup, epochs, systems, repeats, seed)
         figures += _figures(model, network, runs)
         rows += _rows(model, network, runs)
+        time_rows += _time_rows(model, network, runs)
     return {
         "candidate": "DownpourStrategy and MultiWorkerMirroredStrategy on Keras 3",
         "peer": "tf_keras 2.21 with tf.distribute.ParameterServerStrategy and "
         "MultiWorkerMirroredStrategy",
         "figures": figures,
         "table": {"columns": COLUMNS, "rows": rows},
+        "where_the_time_goes_table": {"columns": TIME_COLUMNS, "rows": time_rows},
         # The peer's Keras (the runner records the others' versions).
         "tf_keras_version": importlib.metadata.version("tf-keras"),
         "keras3_plain_mwms": failure,
@@ -299,6 +333,12 @@ def _notes(quick, seed, repeats, plan, failure):
         "loopback: 127.0.0.1, no limit.",
         "CPU ms/64ex: user + system CPU of every process of a run (chief, ps, workers) "
         "during the timed epochs, per 64 examples.",
+        "Where the time goes: the cores each kind of process kept busy during the timed "
+        "epochs (its CPU seconds per second; median of the repeats), out of the 2 the "
+        "machine has. A system with cores idle waited: on its exchanges' round trips or, "
+        "on 100 Mbit/s, on the links. One near 2 busy cores is bound by the machine: "
+        "there, more examples/s than the peer needs less CPU per example, not less "
+        "waiting.",
         "Keras 3 model.fit under plain tf.distribute.MultiWorkerMirroredStrategy (2 "
         f"workers, TF_CONFIG, exit codes {failure.get('exit_codes')}): "
         f"{failure.get('error')}",

@@ -199,3 +199,25 @@ def test_peers_time_to_the_same_accuracy():
     assert target == 0.7
     assert cand_s == pytest.approx(1.5)
     assert peer_s == pytest.approx((4.0 + 5.5) / 2)
+
+
+def test_peers_where_the_time_goes():
+    """Cores busy = CPU ms per 64-example batch x batches per second / 1000, per
+    kind of process; a synchronous run has workers only; idle is 2 - busy."""
+    from benchmarks import peers
+
+    runs = {
+        "downpour-n1": [
+            {
+                "examples_per_second": 6400.0,
+                "cpu_ms_per_batch": {"chief": 1, "ps": 5, "worker": 10},
+            },
+            {"examples_per_second": 3200.0, "cpu_ms_per_batch": {"chief": 2, "ps": 4, "worker": 6}},
+        ],
+        "cmwms-dense": [{"examples_per_second": 640.0, "cpu_ms_per_batch": {"worker": 150}}],
+    }
+    rows = peers._time_rows("digits", "loopback", runs)
+    assert rows[0][:3] == ["digits", "loopback", "downpour-n1"]
+    # Medians of the two repeats: chief (0.1, 0.1), ps (0.5, 0.2), workers (1.0, 0.3).
+    assert rows[0][3:] == pytest.approx([4800.0, 0.1, 0.35, 0.65, 1.1, 0.9])
+    assert rows[1][3:] == pytest.approx([640.0, 0.0, 0.0, 1.5, 1.5, 0.5])

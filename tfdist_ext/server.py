@@ -145,29 +145,37 @@ def _serve(args):
             device_count={"CPU": args.cpu_devices},
         )
         address = cluster[task_type][task_index]
-        try:
-            server = tf.distribute.Server(
-                tf.train.ClusterSpec(cluster),
-                job_name=task_type,
-                task_index=task_index,
-                protocol="grpc",
-                config=config,
-                start=True,
-            )
-        except tf.errors.UnknownError:
-            print(
-                f"tfdist-ext server: error: task {task_type}:{task_index} cannot listen on "
-                f"{address}: another process holds that port (two tasks given the same "
-                "TF_CONFIG task index?)",
-                file=sys.stderr,
-            )
-            return 2
+        server = _start_server(tf, cluster, task_type, task_index, config)
+    if server is None:
+        return 2
     if not args.no_warning:
         print(
             _SECURITY_WARNING.format(port=address.rsplit(":", 1)[-1]), file=sys.stderr, flush=True
         )
     print(f"READY {task_type}:{task_index} {address}", flush=True)
     _wait_for_a_signal(server, wakeup)
+
+
+def _start_server(tf, cluster, task_type, task_index, config):
+    """The task's started ``tf.distribute.Server``, or None (said in one line)
+    when another process holds its address."""
+    try:
+        return tf.distribute.Server(
+            tf.train.ClusterSpec(cluster),
+            job_name=task_type,
+            task_index=task_index,
+            protocol="grpc",
+            config=config,
+            start=True,
+        )
+    except tf.errors.UnknownError:
+        print(
+            f"tfdist-ext server: error: task {task_type}:{task_index} cannot listen on "
+            f"{cluster[task_type][task_index]}: another process holds that port (two "
+            "tasks given the same TF_CONFIG task index?)",
+            file=sys.stderr,
+        )
+        return None
 
 
 def _skip_tensorflows_keras_import():
