@@ -313,6 +313,21 @@ def test_keras_backup_and_restore_resumes_the_compressor_state(cpu_devices, tmp_
     )
 
 
+def _preempted_at_epoch_2(model, x, y, backup):
+    """Fits ``model`` with Keras's BackupAndRestore until a preemption at epoch 2;
+    the backup directory's listing."""
+    with pytest.raises(RuntimeError, match="simulated preemption"):
+        model.fit(
+            x,
+            y,
+            batch_size=32,
+            epochs=3,
+            verbose=0,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(2)],
+        )
+    return sorted(os.listdir(backup))
+
+
 def test_a_backup_of_another_compressors_state_is_refused_naming_both(cpu_devices, tmp_path):
     # Issue 41: resuming with another compressor would read one method's
     # residuals as another's state. fit refuses before the first batch,
@@ -323,16 +338,7 @@ def test_a_backup_of_another_compressors_state_is_refused_naming_both(cpu_device
     strategy = _strategy(cpu_devices[:2], C.ErrorFeedback(C.TopK(0.02)))
     with strategy.scope():
         model = _model()
-    with pytest.raises(RuntimeError, match="simulated preemption"):
-        model.fit(
-            x,
-            y,
-            batch_size=32,
-            epochs=3,
-            verbose=0,
-            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(2)],
-        )
-    saved = sorted(os.listdir(backup))
+    saved = _preempted_at_epoch_2(model, x, y, backup)
     batches = _Batches()
     strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99))
     with strategy.scope():
@@ -360,16 +366,7 @@ def test_a_backup_of_another_model_is_refused_naming_the_shapes(cpu_devices, tmp
     strategy = _strategy(cpu_devices[:2], C.DGC(sparsity=0.99))
     with strategy.scope():
         model = _model()
-    with pytest.raises(RuntimeError, match="simulated preemption"):
-        model.fit(
-            x,
-            y,
-            batch_size=32,
-            epochs=3,
-            verbose=0,
-            callbacks=[keras.callbacks.BackupAndRestore(backup), _Interrupt(2)],
-        )
-    saved = sorted(os.listdir(backup))
+    saved = _preempted_at_epoch_2(model, x, y, backup)
     batches = _Batches()
     with strategy.scope():
         wider = keras.Sequential(

@@ -26,6 +26,7 @@ from tfdist_ext.cluster._local import ClusterError
 from tfdist_ext.cluster._local import ClusterTimeoutError
 from tfdist_ext.cluster._local import attach_to_local_cluster
 from tfdist_ext.cluster._local import ping
+from tfdist_ext.cluster._process import port_taken
 
 _PSSV2 = _integration.ParameterServerStrategyV2
 _PSSV2Extended = _integration.ParameterServerStrategyV2Extended
@@ -106,14 +107,14 @@ def _check_tasks(owner, spec, deadline):
                 )
 
 
-def _connect(owner, spec, connect):
-    """Runs ``connect`` (the base strategy's constructor, which connects this
-    process to the cluster); a chief address another process listens on is
-    named, with its likely cause."""
+@contextlib.contextmanager
+def _naming_a_taken_chief_port(owner, spec):
+    """Around connecting this process to the cluster: a chief address another
+    process listens on is named, with its likely cause."""
     try:
-        connect()
+        yield
     except tf.errors.UnknownError as e:
-        if "Could not start gRPC server" not in e.message:
+        if not port_taken(e):
             raise
         address = (spec.get("chief") or ["(none)"])[0]
         raise ClusterError(
@@ -182,11 +183,8 @@ class ParameterServerBase(_PSSV2):
             partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
                 min_shard_bytes=self.min_shard_bytes, max_shards=num_ps
             )
-        _connect(
-            owner,
-            spec,
-            lambda: _PSSV2.__init__(self, cluster_resolver, variable_partitioner=partitioner),
-        )
+        with _naming_a_taken_chief_port(owner, spec):
+            super().__init__(cluster_resolver, variable_partitioner=partitioner)
         self._lease = ChiefLease(owner, spec)
         self._lease.claim(timeout=min(self.deadline, 5.0))
         _integration.use_extended(self, PlacementExtended(self, cluster_resolver, partitioner))

@@ -26,6 +26,8 @@ import time
 
 from tfdist_ext._stderr import TF_START_UP_NOISE
 from tfdist_ext._stderr import native_log_without
+from tfdist_ext.cluster._process import PORT_TAKEN_LOG
+from tfdist_ext.cluster._process import port_taken
 from tfdist_ext.cluster._tf_config import PARENT_PID_ENV
 from tfdist_ext.cluster._tf_config import TFConfigError
 from tfdist_ext.cluster._tf_config import parse_tf_config
@@ -104,9 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PORT_TAKEN = (b"Failed to add port to server", b"Could not start gRPC server")
-
-
 def _serve(args):
     require = ("ps", "worker") if args.strategy == "ps" else ()
     try:
@@ -134,7 +133,7 @@ def _serve(args):
     set_task_env_defaults(os.environ)
     _skip_tensorflows_keras_import()
     # A port another process holds is said in one line below, not in gRPC's two.
-    with native_log_without(TF_START_UP_NOISE + _PORT_TAKEN):
+    with native_log_without(TF_START_UP_NOISE + PORT_TAKEN_LOG):
         # After the task's environment is set: TensorFlow reads it when it loads.
         import tensorflow as tf
 
@@ -168,7 +167,9 @@ def _start_server(tf, cluster, task_type, task_index, config):
             config=config,
             start=True,
         )
-    except tf.errors.UnknownError:
+    except tf.errors.UnknownError as e:
+        if not port_taken(e):
+            raise
         print(
             f"tfdist-ext server: error: task {task_type}:{task_index} cannot listen on "
             f"{cluster[task_type][task_index]}: another process holds that port (two "

@@ -22,6 +22,16 @@ class ClusterTimeoutError(ClusterError, TimeoutError):
     """A wait on the cluster ran past its deadline."""
 
 
+# What TensorFlow's gRPC server logs, and raises, when another process holds its port.
+PORT_TAKEN_LOG = (b"Failed to add port to server", b"Could not start gRPC server")
+
+
+def port_taken(error):
+    """Whether ``error`` (a ``tf.errors.OpError``) says this process could not
+    start its gRPC server because another process holds the port."""
+    return "Could not start gRPC server" in getattr(error, "message", str(error))
+
+
 def free_port():
     """Returns a TCP port on 127.0.0.1 that is free right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
