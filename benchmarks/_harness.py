@@ -225,6 +225,22 @@ def update_readme(name, readme=README, results_dir=RESULTS_DIR):
     return True
 
 
+def write_plot(name, results_dir=RESULTS_DIR):
+    """Draws ``NAME.png`` beside ``benchmarks/results/NAME.json`` with the
+    benchmark module's ``plot(document, path)``, so that a plot always shows
+    the committed figures; the path, or None when the module has no ``plot``
+    or matplotlib (the ``bench`` extra) is not installed."""
+    import importlib
+    import importlib.util
+
+    module = importlib.import_module(f"benchmarks.{name}")
+    if not hasattr(module, "plot") or importlib.util.find_spec("matplotlib") is None:
+        return None
+    with open(os.path.join(results_dir, f"{name}.json")) as f:
+        document = json.load(f)
+    return module.plot(document, os.path.join(results_dir, f"{name}.png"))
+
+
 def _readme_columns(name, table):
     """``table`` cut to the benchmark's ``README_COLUMNS``, if its module has them."""
     import importlib

@@ -343,3 +343,46 @@ def _notes(quick, seed, repeats, plan, failure):
         f"workers, TF_CONFIG, exit codes {failure.get('exit_codes')}): "
         f"{failure.get('error')}",
     ]
+
+
+def plotted(document):
+    """``(labels, (examples/s ratios, to-accuracy ratios))`` of the table's rows
+    but the "best of each" ones, which repeat others."""
+    columns = document["table"]["columns"]
+    at = {c: columns.index(c) for c in ("model", "network", "row", "cand/peer", "to acc")}
+    rows = [r for r in document["table"]["rows"] if r[at["row"]] != "async, best of each"]
+    labels = [f"{r[at['model']]}, {r[at['network']]}: {r[at['row']]}" for r in rows]
+    return labels, ([r[at["cand/peer"]] for r in rows], [r[at["to acc"]] for r in rows])
+
+
+def plot(document, path):
+    """Draws :func:`plotted`'s two ratios per row, candidate over peer, to
+    ``path`` (a PNG): examples/s and the speed to the same held-out accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    labels, ratios = plotted(document)
+    y = np.arange(len(labels))
+    fig, ax = plt.subplots(figsize=(8, 0.32 * len(labels) + 1.4))
+    bars = ((-0.2, "examples/s"), (0.2, "speed to the same accuracy"))
+    for (offset, name), values in zip(bars, ratios):
+        values = np.array([v or 1.0 for v in values])  # none reached: no bar
+        # From parity: a bar to the right is faster than the peer, to the left slower.
+        ax.barh(y + offset, values - 1.0, left=1.0, height=0.4, label=name)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_yticks(y, labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ticks = [0.5, 1, 2, 4, 8]
+    ax.set_xticks(ticks, [f"{t:g}x" for t in ticks])
+    ax.minorticks_off()
+    ax.set_xlabel("tfdist_ext (Keras 3) over tf_keras with TensorFlow's own strategy")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 1.1), ncol=2)
+    ax.grid(axis="x", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -33,11 +33,12 @@ def main(argv=None):
     parser.add_argument(
         "--readme",
         action="store_true",
-        help="only write the committed results' table into README.md (no run)",
+        help="only write the committed results' table into README.md and redraw its plot (no run)",
     )
     args = parser.parse_args(argv)
     if args.readme:
         found = _harness.update_readme(args.name)
+        _harness.write_plot(args.name)
         print("README.md updated" if found else f"README.md has no table for {args.name}")
         return 0 if found else 1
     # Every process of a run, candidates and peers alike, in the environment
@@ -61,6 +62,8 @@ def main(argv=None):
     print(f"\nwrote {os.path.relpath(path)}")
     if not args.quick and _harness.update_readme(args.name):
         print("updated its table in README.md")
+    if not args.quick and _harness.write_plot(args.name):
+        print(f"drew benchmarks/results/{args.name}.png")
     return 0
 
 

@@ -221,3 +221,23 @@ def test_peers_where_the_time_goes():
     # Medians of the two repeats: chief (0.1, 0.1), ps (0.5, 0.2), workers (1.0, 0.3).
     assert rows[0][3:] == pytest.approx([4800.0, 0.1, 0.35, 0.65, 1.1, 0.9])
     assert rows[1][3:] == pytest.approx([640.0, 0.0, 0.0, 1.5, 1.5, 0.5])
+
+
+def test_peers_plot_draws_the_committed_table(tmp_path):
+    pytest.importorskip("matplotlib")
+    from benchmarks import peers
+
+    with open(os.path.join(_harness.RESULTS_DIR, "peers.json")) as f:
+        document = json.load(f)
+    labels, (examples, to_acc) = peers.plotted(document)
+    rows = [r for r in document["table"]["rows"] if r[2] != "async, best of each"]
+    assert len(labels) == len(rows) == len(examples) == len(to_acc) > 0
+    assert labels[0] == f"{rows[0][0]}, {rows[0][1]}: {rows[0][2]}"
+    columns = document["table"]["columns"]
+    assert examples == [r[columns.index("cand/peer")] for r in rows]
+    assert to_acc == [r[columns.index("to acc")] for r in rows]
+    (tmp_path / "peers.json").write_text(json.dumps(document))
+    path = _harness.write_plot("peers", str(tmp_path))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    assert _harness.write_plot("allocator", str(tmp_path)) is None  # it has no plot
