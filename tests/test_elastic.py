@@ -159,3 +159,61 @@ def test_what_easgd_cannot_train_is_refused_before_the_first_step():
         message, batches = refused[name]
         assert message.startswith("ElasticAveragingStrategy:") and words in message, message
         assert batches == 0, f"{name} refused only after {batches} batches"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.slow  # four clusters, one after another: about a minute
+def test_a_run_resumed_in_a_fresh_process_continues_each_replica(tmp_path):
+    # Keras's own BackupAndRestore, as a user passes it: a run preempted at
+    # epoch 2 and resumed by a new process (on a new cluster) ends where the
+    # uninterrupted run ends (one worker: the order of exchanges is fixed).
+    # Resumed without the replicas' backup, the worker restarts from the
+    # centre with no momentum and ends elsewhere: the replicas' state is
+    # what makes the two equal.
+    import shutil
+
+    import numpy as np
+
+    whole = run_program("elastic_cases", "resume", str(tmp_path / "whole"), timeout=120)
+    backup = tmp_path / "backup"
+    first = run_program("elastic_cases", "resume", str(backup), "2", timeout=120)
+    assert whole["epochs"] == [0, 1, 2, 3] and first["epochs"] == [0, 1]
+    assert "easgd_replicas" in first["backup"]
+    without = tmp_path / "without"
+    shutil.copytree(backup, without)
+    shutil.rmtree(without / "easgd_replicas")
+    resumed = run_program("elastic_cases", "resume", str(backup), timeout=120)
+    assert resumed["epochs"] == [2, 3]
+    for got, expected in zip(resumed["centre"], whole["centre"]):
+        np.testing.assert_allclose(got, expected, rtol=1e-6, atol=1e-7)
+    restarted = run_program("elastic_cases", "resume", str(without), timeout=120)
+    assert restarted["epochs"] == [2, 3]
+    assert not np.allclose(restarted["centre"][0], whole["centre"][0], rtol=1e-4, atol=1e-5)
+
+
+def test_backed_up_replicas_are_fitted_to_the_cluster_or_refused_naming_what_differs():
+    import keras
+    import numpy as np
+
+    from tfdist_ext.downpour._elastic_backup import RESTORED
+    from tfdist_ext.downpour._elastic_backup import fitted
+
+    kernel = keras.Variable(np.zeros((2, 1), "float32"), name="kernel")
+    bias = keras.Variable(np.zeros(1, "float32"), name="bias")
+    saved = {  # two workers; worker 1's row is of an old generation
+        "row_0": np.arange(4, dtype="float32").reshape(2, 2, 1),
+        "row_1": np.array([[5.0], [6.0]], "float32"),
+        "since": np.array([2, 1]),
+        "valid": np.array([True, False]),
+    }
+    rows, since, born = fitted(saved, [kernel, bias], workers=3)
+    np.testing.assert_array_equal(rows[0][:2], saved["row_0"])
+    np.testing.assert_array_equal(rows[0][2], 0.0)  # a third worker starts afresh
+    assert since.tolist() == [2, 1, 0] and born.tolist() == [RESTORED, -1, -1]
+    rows, since, born = fitted(saved, [kernel, bias], workers=1)
+    assert rows[1].shape == (1, 1) and born.tolist() == [RESTORED]
+    with pytest.raises(ValueError, match="replicas of 2 variables .* have 3"):
+        fitted(saved, [kernel, bias, bias], workers=2)
+    wide = keras.Variable(np.zeros((3, 1), "float32"), name="kernel")
+    with pytest.raises(ValueError, match=r"'kernel' has shape \(2, 1\), this model's \(3, 1\)"):
+        fitted(saved, [wide, bias], workers=2)

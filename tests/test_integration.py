@@ -49,7 +49,7 @@ def test_no_os_exit_in_the_package():
             "keras.src.backend.tensorflow.optimizer.TFOptimizer._all_reduce_sum_gradients",
             "_all_reduce_sum_gradients is missing",
         ),
-        # CompressedBackupAndRestore restores the compressor state where Keras
+        # StateBackupAndRestore restores a strategy's own state where Keras
         # restores the model.
         (
             "keras.src.callbacks.backup_and_restore.BackupAndRestore._load_model",

@@ -85,8 +85,9 @@ What we rely on, and why no public API does it:
   functional model's graph backwards from each ``Add`` to find the
   normalisation ending each residual branch.
 * ``BackupAndRestore._load_model`` / ``_save_model``:
-  ``CompressedBackupAndRestore`` restores and saves the compressor state
-  where Keras restores and saves the model.
+  ``_state_backup.StateBackupAndRestore`` restores and saves a strategy's
+  own state (a compressor's, EASGD's replicas) where Keras restores and
+  saves the model.
 
 Keras is pinned in ``setup.cfg`` to :data:`KERAS_TESTED`'s range; CI tests
 both ends (tox envs ``keras-oldest`` and ``keras-newest``).
@@ -284,7 +285,7 @@ if Node is not None:
 if KerasHistory is not None:
     _check(KerasHistory, "operation")
 
-# CompressedBackupAndRestore saves and restores the compressor state where
+# StateBackupAndRestore saves and restores a strategy's own state where
 # Keras's BackupAndRestore saves and restores the model.
 _check(keras.callbacks.BackupAndRestore, "_load_model")
 _check(keras.callbacks.BackupAndRestore, "_save_model")

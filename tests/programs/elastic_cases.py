@@ -6,6 +6,7 @@ Each case (a function below) starts its own cluster and prints one
 against EASGD's rule computed in NumPy or by plain Keras.
 """
 
+import os
 import sys
 
 import keras
@@ -214,9 +215,54 @@ def refused_before_the_first_step():
     report({"refused": refused})
 
 
+class _Preempted(keras.callbacks.Callback):
+    """Raises at the start of epoch ``at``, as a preempted job stops."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.at:
+            raise RuntimeError("preempted")
+
+
+def resume(backup, preempt_at=None):
+    """One worker, SGD with momentum, tau=3 over epochs of 4 steps (so a
+    replica's period and momentum span epochs), 4 epochs with Keras's
+    BackupAndRestore in ``backup``; preempted at the start of epoch
+    ``preempt_at`` if given. Reports the centre, the epochs this run
+    trained and the backup's listing."""
+    x, y = linear_data()
+    with LocalCluster(num_workers=1, num_ps=1) as cluster:
+        strategy = tfdist_ext.ElasticAveragingStrategy(cluster.resolver, alpha=0.3, tau=3)
+        data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4).repeat()
+        with strategy.scope():
+            model = linear_model()
+            model.compile(keras.optimizers.SGD(0.05, momentum=0.5), "mse")
+        callbacks = [keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)]
+        if preempt_at is not None:
+            callbacks.append(_Preempted(int(preempt_at)))
+        epochs = []
+        callbacks.append(keras.callbacks.LambdaCallback(on_epoch_end=lambda e, l: epochs.append(e)))
+        try:
+            model.fit(data, epochs=4, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+        except RuntimeError as e:
+            if str(e) != "preempted":
+                raise
+        report(
+            {
+                "centre": [w.tolist() for w in model.get_weights()],
+                "epochs": epochs,
+                "backup": sorted(os.listdir(backup)),
+            }
+        )
+
+
 CASES = {
     fn.__name__: fn
     for fn in (
+        resume,
         easgd_rule,
         plain_keras_steps,
         adaptive_optimizers,

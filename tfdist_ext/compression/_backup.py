@@ -2,11 +2,10 @@
 
 A compressor's state (error-feedback residuals, DGC's momenta, PowerSGD's
 ``Q``) lives beside the model, one copy per replica, so Keras's callback does
-not see it. :class:`CompressedBackupAndRestore` saves and restores it where
-Keras's callback saves and restores the model; :func:`with_state_backups`
-gives ``fit`` such a copy of each plain ``keras.callbacks.BackupAndRestore``
-the user passed, so that the callback a Keras user reaches for resumes the
-same training. The user's own callback objects are left as they are.
+not see it. :class:`CompressorState` is what a compressed strategy's
+``_backup_state`` gives ``tfdist_ext._state_backup``'s callback to save and
+restore; :class:`CompressedBackupAndRestore` is that callback under its
+public name.
 """
 
 import json
@@ -15,9 +14,12 @@ import os
 import keras
 import tensorflow as tf
 
+from tfdist_ext._state_backup import StateBackupAndRestore
+from tfdist_ext._state_backup import with_state_backups as _with_state_backups
+
 
 @keras.saving.register_keras_serializable(package="tfdist_ext")
-class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
+class CompressedBackupAndRestore(StateBackupAndRestore):
     """``keras.callbacks.BackupAndRestore`` that also backs up the per-replica compressor state.
 
     Under a compressed strategy ``fit`` already runs a plain
@@ -38,69 +40,61 @@ class CompressedBackupAndRestore(keras.callbacks.BackupAndRestore):
       >>> model.fit(ds, epochs=10, callbacks=[cb])   # doctest: +SKIP
     """
 
-    def __init__(self, backup_dir: str, strategy: tf.distribute.Strategy | None = None, **kwargs):
-        super().__init__(backup_dir, **kwargs)
-        self.strategy = strategy
-
-    def _compressed_strategy(self):
-        strategy = self.strategy
-        if strategy is None and self.model is not None:
-            strategy = getattr(self.model, "distribute_strategy", None)
+    def _state(self):
+        strategy = self._strategy()
         if not hasattr(strategy, "compression_state"):
             raise ValueError(
                 "CompressedBackupAndRestore: needs a compressed strategy, e.g. "
                 "tfdist_ext.MirroredStrategy(compression=...) (pass strategy=... or build "
                 f"the model under its scope), got {type(strategy).__name__}"
             )
-        return strategy
+        return CompressorState(strategy)
 
-    def _state_dir(self):
-        return os.path.join(self.backup_dir, "compression_state")
+
+class CompressorState:
+    """A compressed strategy's ``compression_state`` in a backup, with the
+    serialised compressor it belongs to."""
+
+    name = "compression_state"
+
+    def __init__(self, strategy):
+        self.strategy = strategy
 
     def _checkpoint(self):
-        return tf.train.Checkpoint(compression=self._compressed_strategy().compression_state)
+        return tf.train.Checkpoint(compression=self.strategy.compression_state)
 
-    def _load_model(self):
-        latest = tf.train.latest_checkpoint(self._state_dir())
-        if latest:
-            self._check_same_compressor()
-        super()._load_model()
-        if latest:
-            self._checkpoint().restore(latest)
-
-    def _save_model(self):
-        super()._save_model()
-        tf.train.CheckpointManager(self._checkpoint(), self._state_dir(), max_to_keep=2).save()
-        with open(os.path.join(self._state_dir(), _COMPRESSOR), "w") as f:
-            json.dump(self._compressor_config(), f, sort_keys=True)
-
-    def _compressor_config(self):
-        compressor = self._compressed_strategy().compression
-        return json.loads(json.dumps(keras.saving.serialize_keras_object(compressor)))
-
-    def _check_same_compressor(self):
-        """Refuses a backup whose compressor state another compressor made."""
-        path = os.path.join(self._state_dir(), _COMPRESSOR)
+    def check(self, directory):
+        """Whether ``directory`` holds a backup; refuses another compressor's."""
+        if not tf.train.latest_checkpoint(directory):
+            return False
+        path = os.path.join(directory, _COMPRESSOR)
         if not os.path.exists(path):
-            return
+            return True
         with open(path) as f:
             saved = json.load(f)
         now = self._compressor_config()
         if saved != now:
             raise ValueError(
-                f"CompressedBackupAndRestore: the backup in {self.backup_dir!r} holds the "
-                f"state of the compressor {_describe(saved)}, but this strategy's is "
-                f"{_describe(now)}; resume with the compressor the backup was made with, "
-                "or give a new backup_dir to start afresh"
+                f"CompressedBackupAndRestore: the backup in {os.path.dirname(directory)!r} "
+                f"holds the state of the compressor {_describe(saved)}, but this "
+                f"strategy's is {_describe(now)}; resume with the compressor the backup "
+                "was made with, or give a new backup_dir to start afresh"
             )
+        return True
 
-    def get_config(self):
-        return {
-            "backup_dir": self.backup_dir,
-            "save_freq": self.save_freq,
-            "double_checkpoint": self.double_checkpoint,
-            "delete_checkpoint": self.delete_checkpoint,
-        }
+    def restore(self, directory):
+        # Deferred: the state's variables are made by the first step, and
+        # take their saved values then.
+        self._checkpoint().restore(tf.train.latest_checkpoint(directory))
+
+    def save(self, directory):
+        tf.train.CheckpointManager(self._checkpoint(), directory, max_to_keep=2).save()
+        with open(os.path.join(directory, _COMPRESSOR), "w") as f:
+            json.dump(self._compressor_config(), f, sort_keys=True)
+
+    def _compressor_config(self):
+        compressor = self.strategy.compression
+        return json.loads(json.dumps(keras.saving.serialize_keras_object(compressor)))
 
 
 _COMPRESSOR = "compressor.json"  # the serialised compressor the state belongs to
@@ -117,18 +111,4 @@ def _describe(config):
 def with_state_backups(strategy, callbacks):
     """``callbacks`` with each plain ``BackupAndRestore`` replaced by a
     :class:`CompressedBackupAndRestore` with the same settings."""
-    if not isinstance(callbacks, (list, tuple)):
-        return callbacks
-    return [_with_state(strategy, callback) for callback in callbacks]
-
-
-def _with_state(strategy, callback):
-    if type(callback) is not keras.callbacks.BackupAndRestore:
-        return callback
-    return CompressedBackupAndRestore(
-        callback.backup_dir,
-        strategy=strategy,
-        save_freq=callback.save_freq,
-        double_checkpoint=callback.double_checkpoint,
-        delete_checkpoint=callback.delete_checkpoint,
-    )
+    return _with_state_backups(strategy, callbacks, CompressedBackupAndRestore)

@@ -301,6 +301,10 @@ class _CompressedExchange:
         )
         return totals
 
+    def _backup_state(self, model):
+        """The compressor's state, for Keras's ``BackupAndRestore`` (``_state_backup``)."""
+        return _backup.CompressorState(self)
+
     def reset_compression_state(self) -> None:
         """Puts every replica's compressor state back to ``compressor.init`` (e.g. between runs).
 

@@ -2,6 +2,7 @@
 
 import contextlib
 import numbers
+import weakref
 
 import keras
 import tensorflow as tf
@@ -9,7 +10,11 @@ import tensorflow as tf
 from tfdist_ext import _integration
 from tfdist_ext._ps_strategy import positive_int
 from tfdist_ext._ps_strategy import split_paths
+from tfdist_ext._state_backup import fit_with_state_backups
 from tfdist_ext.downpour import _round
+from tfdist_ext.downpour._elastic_backup import RESTORED
+from tfdist_ext.downpour._elastic_backup import ReplicaState
+from tfdist_ext.downpour._elastic_backup import fitted
 from tfdist_ext.downpour._strategy import DownpourStrategy
 
 # Optimizer options a replica's update cannot honour, with what to do
@@ -92,6 +97,8 @@ class ElasticAveragingStrategy(DownpourStrategy):
             deadline=deadline,
         )
         self.alpha = 0.9 / self.num_workers if alpha is None else alpha
+        self._replicas = {}  # id(model) -> (weakref(model), its latest round's _Replicas)
+        self._restored = {}  # id(model) -> replica arrays from a backup, for its next round
 
     @property
     def tau(self):
@@ -112,7 +119,37 @@ class ElasticAveragingStrategy(DownpourStrategy):
     def _tfdist_fit(self, model, keras_fit, args, kwargs):
         self._check_open()
         check_trainable(model)
+        # Keras's BackupAndRestore, as the user passes it, resumes the replicas too.
+        args, kwargs = fit_with_state_backups(self, keras_fit, model, args, kwargs)
         return super()._tfdist_fit(model, keras_fit, args, kwargs)
+
+    def _backup_state(self, model):
+        """The replicas of ``model``, for Keras's ``BackupAndRestore`` (``_state_backup``)."""
+        return ReplicaState(self, model)
+
+    def _replicas_of(self, model):
+        """The replicas of ``model``'s latest round, or ``None`` before its first."""
+        entry = self._replicas.get(id(model))
+        return entry[1] if entry is not None and entry[0]() is model else None
+
+    def _restore_replicas(self, model, arrays):
+        """Gives ``model``'s replicas the backed-up ``arrays`` now, or to its next round."""
+        replicas = self._replicas_of(model)
+        if replicas is None:
+            self._restored[id(model)] = arrays
+        else:
+            replicas.assign(arrays)
+
+    def _new_replicas(self, model, replicas):
+        """``model``'s round made ``replicas``: they take a pending backup's values."""
+        self._replicas[id(model)] = (weakref.ref(model), replicas)
+        arrays = self._restored.pop(id(model), None)
+        if arrays is not None:
+            replicas.assign(arrays)
+
+    def _stop_runtime(self):
+        super()._stop_runtime()
+        self._replicas.clear()
 
     def get_config(self):
         """The strategy's knobs (not the cluster) as a dict (see :meth:`from_config`)."""
@@ -306,7 +343,10 @@ class _Replicas:
         """``(weights, optimizer state, steps since the last exchange)`` of the
         worker's replica: its saved row, or a fresh replica."""
         index = tf.reshape(tf.cast(worker, tf.int64), [1])
-        fresh = tf.not_equal(self.born.sparse_read(index)[0], self.generation.read_value())
+        born = self.born.sparse_read(index)[0]
+        fresh = tf.logical_and(
+            tf.not_equal(born, self.generation.read_value()), tf.not_equal(born, RESTORED)
+        )
         values = []
         for v, rows in zip(self.kept, self.rows):
             with tf.device(v.value.device):
@@ -354,6 +394,26 @@ class _Replicas:
                     moves.append(tf.identity(d))
         return _round.one_transfer_per_task(moves, homes, to_ps=False)
 
+    def snapshot(self):
+        """The rows as NumPy arrays, for a backup: ``row_J`` (``kept[J]``'s),
+        ``since``, and ``valid`` (rows of the current generation, or restored
+        and not yet continued)."""
+        arrays = {f"row_{j}": rows.numpy() for j, rows in enumerate(self.rows)}
+        arrays["since"] = self.since.numpy()
+        born = self.born.numpy()
+        arrays["valid"] = (born == self.generation.numpy()) | (born == RESTORED)
+        return arrays
+
+    def assign(self, arrays):
+        """Takes :meth:`snapshot`'s ``arrays`` (a backup): each worker's next
+        round continues its saved replica (a worker the backup has no row
+        for starts afresh)."""
+        rows, since, born = fitted(arrays, self.kept, self.since.shape[0])
+        for variable, value in zip(self.rows, rows):
+            variable.assign(value)
+        self.since.assign(since)
+        self.born.assign(born)
+
     def _split(self, values):
         n = len(self.trainable)
         return values[:n], values[n:]
@@ -386,6 +446,7 @@ class _ElasticRound:
             model, self.optimizer, self.loss_scale
         )
         self.replicas = _Replicas(strategy, self.trainable, self.state, generation)
+        strategy._new_replicas(model, self.replicas)
         self.tau, self.alpha = strategy.tau, strategy.alpha
         self.param_bytes = sum(_round.nbytes(v) for v in self.trainable)
         self.state_bytes = sum(_round.nbytes(v) for v in self.replicas.kept)
