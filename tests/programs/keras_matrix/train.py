@@ -121,9 +121,12 @@ def fit(model, x, y, full_batch, epochs, callbacks):
 
 def make_or_restore(strategy, model, x, y, full_batch, batches):
     """The guide's pattern: checkpoint every epoch, restore the latest under the scope, go on."""
-    checkpoint_dir = os.path.join(OUT, "ckpt")
+    # Beside OUT: one directory for a multi-worker job's workers, as on the
+    # shared file system the guide assumes; only the chief writes to it.
+    checkpoint_dir = os.path.join(os.path.dirname(OUT), "ckpt")
     checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(checkpoint_dir, "ckpt-{epoch}.keras"))
     first = fit(model, x, y, full_batch, EPOCHS, [batches, checkpoint]).history
+    _all_workers_here(strategy)
     checkpoints = [os.path.join(checkpoint_dir, name) for name in os.listdir(checkpoint_dir)]
     latest = max(checkpoints, key=lambda path: int(path.split("-")[-1].split(".")[0]))
     with strategy.scope():
@@ -131,6 +134,14 @@ def make_or_restore(strategy, model, x, y, full_batch, batches):
     restored = int(model.optimizer.iterations.numpy())
     second = fit(model, x, y, full_batch, 1, [batches]).history
     return model, {k: first[k] + second[k] for k in first}, {"restored_iterations": restored}
+
+
+def _all_workers_here(strategy):
+    """A collective every worker of a multi-worker job joins: past it, the
+    chief's callbacks of its last epoch (its checkpoint) have run."""
+    if "TF_CONFIG" in os.environ:
+        one = strategy.run(tf.function(lambda: tf.constant(1.0)))
+        strategy.reduce("SUM", one, axis=None)
 
 
 def run_all(strategy, kinds, optimizer, full_batch=False):
