@@ -249,8 +249,16 @@ def _readme_columns(name, table):
     module = f"benchmarks.{name}"
     if importlib.util.find_spec(module) is None:
         return table
-    wanted = getattr(importlib.import_module(module), "README_COLUMNS", None)
+    module = importlib.import_module(module)
+    wanted = getattr(module, "README_COLUMNS", None)
     if not wanted:
         return table
+    # README_LEAVES_OUT: values of the "row" column whose rows repeat others.
+    left_out = getattr(module, "README_LEAVES_OUT", ())
+    rows = [
+        r
+        for r in table["rows"]
+        if "row" not in table["columns"] or r[table["columns"].index("row")] not in left_out
+    ]
     keep = [table["columns"].index(c) for c in wanted]
-    return {"columns": wanted, "rows": [[row[i] for i in keep] for row in table["rows"]]}
+    return {"columns": wanted, "rows": [[row[i] for i in keep] for row in rows]}

@@ -35,6 +35,7 @@ BATCH = 64  # examples per worker step, every system
 HIDDEN = {"digits": 128, "synthetic": 1024}
 SYNTHETIC = {"train": 8192, "test": 2048, "inputs": 256, "noise": 6.0}
 LR = 0.003
+OURS = ("downpour", "easgd")  # this package's asynchronous strategies
 LEGACY = ("pss", "mwms")  # the tf_keras systems
 
 
@@ -152,7 +153,7 @@ def _async_input(tf, keras, cfg, x, y):
     """Training input: Downpour's chief reads one dataset and sends its batches;
     the peer gives each worker its own shard (TensorFlow's PSS tutorial)."""
     seed = cfg["seed"]
-    if cfg["system"] == "downpour":
+    if cfg["system"] in OURS:
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
         return ds.batch(BATCH, drop_remainder=True).repeat()
 
@@ -170,6 +171,10 @@ def _async_strategy(tf, cfg, cluster):
         import tfdist_ext
 
         return tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
+    if cfg["system"] == "easgd":
+        import tfdist_ext
+
+        return tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=cfg["n"])
     return tf.distribute.ParameterServerStrategy(cluster.resolver)
 
 
@@ -192,7 +197,9 @@ def async_run(cfg):
         strategy = _async_strategy(tf, cfg, cluster)
         train = _async_input(tf, keras, cfg, x, y)
         with strategy.scope():
-            model = _model(keras, cfg["case"], x.shape[1], LR, cfg.get("spe"))
+            model = _model(
+                keras, cfg["case"], x.shape[1], LR * cfg.get("lr_scale", 1), cfg.get("spe")
+            )
         steps = cfg["steps"]
         pids = {
             "chief": [os.getpid()],
@@ -201,7 +208,7 @@ def async_run(cfg):
         }
         timed = _timed_fit(keras, model, train, cfg, steps, pids, (xt, yt))
         out = _summary(cfg, steps * BATCH, *timed)
-        if cfg["system"] == "downpour":
+        if cfg["system"] in OURS:
             out["staleness_mean"] = strategy.stats.summary()["staleness_mean"]
         _report(out)  # before the cluster stops (which imports tfdist_ext's Keras 3 glue)
         return out
@@ -359,7 +366,7 @@ def main():
         out = (_keras3_worker if cfg["system"] == "keras3-mwms" else worker)(cfg)
     else:
         cfg = json.loads(sys.argv[1])
-        if cfg["system"] in ("downpour", "pss"):
+        if cfg["system"] in (*OURS, "pss"):
             async_run(cfg)  # reports before its cluster stops
             return
         out = (keras3_mwms if cfg["system"] == "keras3-mwms" else sync_run)(cfg)

@@ -141,6 +141,7 @@ def test_committed_peers_table_in_the_readme_is_the_json_s():
         table = _harness.format_table(_harness._readme_columns("peers", json.load(f)["table"]))
     with open(_harness.README) as f:
         assert table in f.read()
+    assert "best of each" not in table  # README_LEAVES_OUT: rows that repeat others
 
 
 def test_committed_benchmarks_page_is_what_the_site_script_writes():
@@ -241,3 +242,30 @@ def test_peers_plot_draws_the_committed_table(tmp_path):
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert _harness.write_plot("allocator", str(tmp_path)) is None  # it has no plot
+
+
+def test_peers_knob_rows_face_the_peers_fastest_parameter_server_run():
+    from benchmarks import peers
+
+    def run(eps, acc):
+        return {
+            "examples_per_second": eps,
+            "accuracy": acc,
+            "cpu_ms_per_batch": {"chief": 1.0},
+            "examples_trained": 6400,
+            "curve": [(0.0, 0.1), (1.0, acc)],
+        }
+
+    runs = {  # the synthetic 100 Mbit/s case: no steps_per_execution=50 runs
+        "downpour-n1": [run(100.0, 0.3)],
+        "easgd-tau10": [run(900.0, 0.5)],
+        "tf_keras-pss": [run(300.0, 0.4)],
+    }
+    rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
+    assert set(rows) == {"async, default", "async, EASGD tau=10", "async, best of each"}
+    assert rows["async, EASGD tau=10"][3:5] == ["easgd-tau10", "tf_keras-pss"]
+    assert rows["async, EASGD tau=10"][7] == pytest.approx(3.0)
+    runs["tf_keras-pss-spe50"] = [run(600.0, 0.4)]
+    rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
+    assert rows["async, EASGD tau=10"][4] == "tf_keras-pss-spe50"
+    assert rows["async, best of each"][3:5] == ["downpour-n1", "tf_keras-pss-spe50"]
