@@ -167,14 +167,12 @@ def _async_input(tf, keras, cfg, x, y):
 
 
 def _async_strategy(tf, cfg, cluster):
-    if cfg["system"] == "downpour":
+    if cfg["system"] in OURS:
         import tfdist_ext
 
+        if cfg["system"] == "easgd":
+            return tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=cfg["n"])
         return tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
-    if cfg["system"] == "easgd":
-        import tfdist_ext
-
-        return tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=cfg["n"])
     return tf.distribute.ParameterServerStrategy(cluster.resolver)
 
 
@@ -197,9 +195,7 @@ def async_run(cfg):
         strategy = _async_strategy(tf, cfg, cluster)
         train = _async_input(tf, keras, cfg, x, y)
         with strategy.scope():
-            model = _model(
-                keras, cfg["case"], x.shape[1], LR * cfg.get("lr_scale", 1), cfg.get("spe")
-            )
+            model = _model(keras, cfg["case"], x.shape[1], LR, cfg.get("spe"))
         steps = cfg["steps"]
         pids = {
             "chief": [os.getpid()],

@@ -48,11 +48,9 @@ class StateBackupAndRestore(keras.callbacks.BackupAndRestore):
             )
         return strategy._backup_state(self.model)
 
-    def _state_dir(self):
-        return os.path.join(self.backup_dir, self._state().name)
-
     def _load_model(self):
-        state, directory = self._state(), self._state_dir()
+        state = self._state()
+        directory = os.path.join(self.backup_dir, state.name)
         saved = state.check(directory)  # refuses a backup of other state first
         super()._load_model()
         if saved:
@@ -60,7 +58,8 @@ class StateBackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _save_model(self):
         super()._save_model()
-        self._state().save(self._state_dir())
+        state = self._state()
+        state.save(os.path.join(self.backup_dir, state.name))
 
     def get_config(self):
         return {

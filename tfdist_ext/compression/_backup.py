@@ -48,7 +48,7 @@ class CompressedBackupAndRestore(StateBackupAndRestore):
                 "tfdist_ext.MirroredStrategy(compression=...) (pass strategy=... or build "
                 f"the model under its scope), got {type(strategy).__name__}"
             )
-        return CompressorState(strategy)
+        return super()._state()
 
 
 class CompressorState:
