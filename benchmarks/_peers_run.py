@@ -67,7 +67,8 @@ def data(case, seed):
     return (x[:n], y[:n]), (x[n:], y[n:])
 
 
-def _model(keras, case, inputs, lr, steps_per_execution):
+def _model(keras, case, inputs, lr, steps_per_execution, optimizer=None):
+    """The case's MLP, compiled with ``optimizer`` (default ``Adam(lr)``)."""
     hidden = HIDDEN[case]
     model = keras.Sequential(
         [
@@ -78,7 +79,7 @@ def _model(keras, case, inputs, lr, steps_per_execution):
         ]
     )
     model.compile(
-        optimizer=keras.optimizers.Adam(lr),
+        optimizer=optimizer or keras.optimizers.Adam(lr),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
         steps_per_execution=steps_per_execution or 1,

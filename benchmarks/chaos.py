@@ -1,8 +1,8 @@
 """``chaos``: many faults over a long run, against the same run without them.
 
-Each system trains the ``peers`` benchmark's digits MLP (``_chaos_run.py``,
-a script written as a user writes it, with ``keras.callbacks.BackupAndRestore``)
-twice on the same seed: once undisturbed, then under a seeded schedule of
+Each system trains the ``peers`` benchmark's digits MLP under Adagrad
+(``_chaos_run.py``, a script written as a user writes it, with
+``keras.callbacks.BackupAndRestore``) twice on the same seed: once undisturbed, then under a seeded schedule of
 faults laid over the undisturbed run's duration.
 
 * ``downpour`` and ``easgd`` (``DownpourStrategy``, ``ElasticAveragingStrategy``):
@@ -418,7 +418,8 @@ def run(quick=False, seed=0):
             "rows": rows,
         },
         "notes": [
-            f"Digits MLP, batch 64 per worker step, seed {seed}; sizes {json.dumps(sizes)}.",
+            f"Digits MLP under Adagrad(0.05), batch 64 per worker step, seed {seed}; "
+            f"sizes {json.dumps(sizes)}.",
             "Async: 2 workers + 1 ps (LocalCluster), a worker killed and restarted every "
             f"{sizes['kill_every'][0]:g}-{sizes['kill_every'][1]:g} s, one worker stopped for "
             f"deadline + {STALL_MARGIN:g} s, the ps killed once (chief script rerun, resumed by "
