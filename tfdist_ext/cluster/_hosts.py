@@ -3,13 +3,14 @@
 ``ip netns exec tfx-<address> COMMAND`` runs COMMAND on "host" <address>,
 as ``ssh <host> COMMAND`` would on a real machine. The namespaces, their
 links and the switch exist while :class:`Hosts` is open; each rehearsal
-records its owner's pid, and namespaces left by an owner that was killed are
-removed by the next rehearsal.
+records its owner (:mod:`tfdist_ext._owner`), and namespaces left by an
+owner that was killed are removed by the next rehearsal.
 """
 
 import os
 import subprocess
 
+from tfdist_ext import _owner
 from tfdist_ext.cluster import _netns
 
 PREFIX = "tfx-"
@@ -37,7 +38,7 @@ class Hosts:
         os.makedirs(STATE_DIR, exist_ok=True)
         self.subnet = _free_subnet()
         with open(self._state_file(), "w") as f:
-            f.write(str(os.getpid()))
+            f.write(_owner.token())
         try:
             self._create()
         except BaseException:
@@ -117,6 +118,6 @@ def _remove_orphans():
         if not entry.startswith("rehearsal-"):
             continue
         with open(os.path.join(STATE_DIR, entry)) as f:
-            owner = int(f.read().strip() or 0)
-        if owner and not os.path.exists(f"/proc/{owner}"):
+            owner = f.read().strip()
+        if owner and not _owner.alive(owner):
             _remove(int(entry.split("-")[1]))

@@ -22,6 +22,8 @@ import tempfile
 
 import keras
 
+from tfdist_ext import _owner
+
 _PREFIX = "tfdist-ext-workertemp-"
 
 
@@ -34,7 +36,7 @@ def chief_writes(strategy, callbacks):
         return
     _remove_orphans()
     task = strategy.cluster_resolver.task_id
-    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-{task}-")
+    directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_owner.token()}-{task}-")
     try:
         yield [_redirected(callback, directory) for callback in callbacks]
     finally:
@@ -76,9 +78,8 @@ def _backup_copy(callback, directory):
 
 
 def _remove_orphans():
-    """Removes the temporary directories of workers that were killed (their pid is gone)."""
+    """Removes the temporary directories of workers that were killed (their owner is gone)."""
     root = tempfile.gettempdir()
     for name in os.listdir(root):
-        owner = name[len(_PREFIX) :].split("-", 1)[0]
-        if name.startswith(_PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+        if name.startswith(_PREFIX) and not _owner.alive(name[len(_PREFIX) :].split("-", 1)[0]):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
