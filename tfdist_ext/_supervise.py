@@ -16,6 +16,7 @@ class Job:
     def __init__(self, specs, stop_timeout):
         self.specs, self.stop_timeout = specs, stop_timeout
         self.procs, self.readers = [], []
+        self.late_failures = {}  # task name: its status, for tasks failed after the chief ended
         for spec in specs:
             proc = subprocess.Popen(
                 spec.argv,
@@ -34,15 +35,22 @@ class Job:
                 self.readers.append(reader)
 
     def run(self, stop):
-        """Waits until the chief ends or a task fails: ``(status, failed task name or None)``."""
+        """Waits until the chief ends or a task fails: ``(status, failed task name or None)``.
+
+        Once the chief has ended well the job is done: a task failing after it
+        is recorded in ``late_failures``, not taken for a failed job (which
+        would run it again from its start, its backup deleted by ``fit``).
+        """
         chief_done = None
         while not stop.wait(POLL):
             for spec, proc in zip(self.specs, self.procs):
                 code = proc.poll()
-                if code is None:
+                if code is None or spec.name in self.late_failures:
                     continue
                 if code != 0 or not spec.runs_command:
-                    return (code or 1), spec.name
+                    if chief_done is None:
+                        return (code or 1), spec.name
+                    self.late_failures[spec.name] = code
                 if spec.chief and chief_done is None:
                     chief_done = time.monotonic()
             if chief_done is not None and self._commands_done(chief_done):
@@ -53,10 +61,20 @@ class Job:
         running = [p for s, p in zip(self.specs, self.procs) if s.runs_command and p.poll() is None]
         return not running or time.monotonic() - since > self.stop_timeout
 
-    def stop(self):
-        """Stops every task still running: SIGTERM, SIGKILL after ``stop_timeout``."""
-        for proc in self.procs:
-            _signal_group(proc, signal.SIGTERM)
+    def stop(self, after_failure=False):
+        """Stops every task still running: SIGTERM, SIGKILL after ``stop_timeout``.
+
+        After a task of a synchronous job (every task runs the command) has
+        failed, the others are not sent SIGTERM but left to end by themselves,
+        as TensorFlow makes every surviving worker raise: a TensorFlow
+        multi-worker task takes SIGTERM as a preemption notice and goes on, and
+        a worker signalled so then failed only at TensorFlow's heartbeat
+        timeout (about 10 s) instead of at once.
+        """
+        leave = after_failure and all(spec.runs_command for spec in self.specs)
+        if not leave:
+            for proc in self.procs:
+                _signal_group(proc, signal.SIGTERM)
         deadline = time.monotonic() + self.stop_timeout
         for proc in self.procs:
             try:

@@ -153,14 +153,21 @@ def supervise(specs, max_restarts, stop_timeout, prog):
         for attempt in range(max_restarts + 1):
             if attempt:
                 print(f"{prog}: restarting the job ({attempt}/{max_restarts})", file=sys.stderr)
-            job = _supervise.Job(specs, stop_timeout)
+            job, failed = _supervise.Job(specs, stop_timeout), None
             try:
                 status, failed = job.run(stop)
+                if failed is not None and not stop.is_set():
+                    print(f"{prog}: task {failed} exited with status {status}", file=sys.stderr)
             finally:
-                job.stop()
+                job.stop(after_failure=failed is not None)
+            for name, code in job.late_failures.items():
+                print(
+                    f"{prog}: task {name} exited with status {code} after the chief "
+                    "had ended; the job is done",
+                    file=sys.stderr,
+                )
             if failed is None or stop.is_set():
                 return status
-            print(f"{prog}: task {failed} exited with status {status}", file=sys.stderr)
             time.sleep(1.0)  # the ports the stopped tasks held are free again
         return status
     finally:
