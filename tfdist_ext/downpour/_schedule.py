@@ -46,7 +46,10 @@ def downpour_fit(model, strategy, runtime, keras_fit, args, kwargs):
     train_function = TrainFunction(model, strategy, runtime)
     model.train_function = train_function
     try:
-        return keras_fit(model, *args, **kwargs)
+        # A lost ps fails whatever reads it first (a round, or a callback
+        # saving the weights): each failure is explained the same way.
+        with train_function.explained_errors():
+            return keras_fit(model, *args, **kwargs)
     finally:
         model.train_function = None
         train_function.close()
@@ -138,10 +141,6 @@ class TrainFunction:
     # -- Keras-facing --------------------------------------------------------
 
     def __call__(self, iterator):
-        with self._explained_errors():
-            return self._call(iterator)
-
-    def _call(self, iterator):
         if self.steps_since_finish == 0:
             # An epoch starts: what workers kept from the last one (prefetched
             # parameters, replicas) holds only if no one changed the weights
@@ -187,13 +186,12 @@ class TrainFunction:
 
     def finish_epoch(self):
         """Schedules the buffered steps, waits for all rounds; exact epoch logs."""
-        with self._explained_errors():
-            if self._buffer:
-                self._schedule(len(self._buffer))
-            self._wait(lambda: not self._inflight)
-            self._count_iterations()
-            self._read_logs()
-            self.runtime.remember_weights(self.model)
+        if self._buffer:
+            self._schedule(len(self._buffer))
+        self._wait(lambda: not self._inflight)
+        self._count_iterations()
+        self._read_logs()
+        self.runtime.remember_weights(self.model)
         self.steps_since_finish = 0
         self._epoch_base = self.strategy.stats.snapshot()
         return dict(self._logs)
@@ -305,7 +303,7 @@ class TrainFunction:
             )
 
     @contextlib.contextmanager
-    def _explained_errors(self):
+    def explained_errors(self):
         """A failed round or RPC: if a ps task is gone, say so plainly."""
         try:
             yield
