@@ -50,7 +50,8 @@ class Job:
                 if code != 0 or not spec.runs_command:
                     if chief_done is None:
                         return (code or 1), spec.name
-                    self.late_failures[spec.name] = code
+                    if code != 0:
+                        self.late_failures[spec.name] = code
                 if spec.chief and chief_done is None:
                     chief_done = time.monotonic()
             if chief_done is not None and self._commands_done(chief_done):
