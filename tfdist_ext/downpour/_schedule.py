@@ -326,7 +326,7 @@ class TrainFunction:
             self._check_ps()
             if time.monotonic() - last_progress > max(deadline, 1.0) * 3:
                 raise ClusterTimeoutError(
-                    f"DownpourStrategy: no round finished within {3 * deadline:.0f}s "
+                    f"{type(self.strategy).__name__}: no round finished within {3 * deadline:.0f}s "
                     f"({len(self._inflight)} in flight); the workers may all be gone"
                 )
             time.sleep(0.005)
@@ -341,7 +341,7 @@ class TrainFunction:
                 ping(address, timeout=self.strategy.deadline)
             except ClusterTimeoutError:
                 raise ClusterError(
-                    f"DownpourStrategy: parameter server ps:{index} at {address} is "
+                    f"{type(self.strategy).__name__}: parameter server ps:{index} at {address} is "
                     f"unreachable (no answer within {self.strategy.deadline:.0f}s); "
                     "training stopped. Restart the ps task and resume from the last "
                     "checkpoint (e.g. keras.callbacks.BackupAndRestore)."
