@@ -35,16 +35,9 @@ def _cli(*args, timeout, env=None):
     )
 
 
-def _launch_two_local_workers(*command, timeout):
+def _launch_two_local_workers(*command, timeout, options=("--stop-timeout", "5")):
     return _cli(
-        "launch",
-        "--hosts",
-        "localhost,localhost",
-        "--stop-timeout",
-        "5",
-        "--",
-        *command,
-        timeout=timeout,
+        "launch", "--hosts", "localhost,localhost", *options, "--", *command, timeout=timeout
     )
 
 
@@ -168,11 +161,15 @@ def test_a_failed_task_stops_the_job_with_its_status(tmp_path):
     assert "task worker:1 exited with status 3" in proc.stderr
 
 
-def _task_code(body):
-    """A ``python -c`` program: ``t`` is its task index, ``out`` the directory in argv[1]."""
-    return (
+def _launch_lines(out, options, *lines):
+    """Two local workers running ``lines`` of Python: ``t`` is the task's index,
+    ``out`` the directory ``out``; the finished launcher."""
+    code = (
         "import json, os, signal, sys, time; t = json.loads(os.environ['TF_CONFIG'])"
-        f"['task']['index']; out = sys.argv[1]\n{body}"
+        "['task']['index']; out = sys.argv[1]\n" + "\n".join(lines)
+    )
+    return _launch_two_local_workers(
+        sys.executable, "-c", code, str(out), timeout=60, options=options
     )
 
 
@@ -181,23 +178,12 @@ def test_after_a_failure_synchronous_peers_end_by_themselves_unsignalled(tmp_pat
     # As TensorFlow's surviving workers do, worker 0 fails on its own soon
     # after worker 1; a SIGTERM (TensorFlow's preemption notice) would only
     # delay that, so the launcher sends none while the peer may still end.
-    code = _task_code(
-        "signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(out, 'term'), 'w').close())\n"
-        "time.sleep(1.5) if t == 0 else None\n"
-        "sys.exit(1 if t == 0 else 3)"
-    )
-    proc = _cli(
-        "launch",
-        "--hosts",
-        "localhost,localhost",
-        "--stop-timeout",
-        "30",
-        "--",
-        sys.executable,
-        "-c",
-        code,
-        str(tmp_path),
-        timeout=60,
+    proc = _launch_lines(
+        tmp_path,
+        ("--stop-timeout", "30"),
+        "signal.signal(signal.SIGTERM, lambda *_: open(os.path.join(out, 'term'), 'w').close())",
+        "time.sleep(1.5) if t == 0 else None",
+        "sys.exit(1 if t == 0 else 3)",
     )
     assert proc.returncode == 3, proc.stderr
     assert "task worker:1 exited with status 3" in proc.stderr
@@ -208,23 +194,12 @@ def test_after_a_failure_synchronous_peers_end_by_themselves_unsignalled(tmp_pat
 def test_a_task_failing_after_the_chief_ended_does_not_rerun_the_job(tmp_path):
     # The chief (worker 0) has finished the job; worker 1 is killed while it
     # exits. Running the job again would train it again from its start.
-    code = _task_code(
-        "open(os.path.join(out, f'runs-{t}'), 'a').write('run\\n')\n"
-        "time.sleep(2) if t == 1 else None\n"
-        "os.kill(os.getpid(), signal.SIGKILL) if t == 1 else sys.exit(0)"
-    )
-    proc = _cli(
-        "launch",
-        "--hosts",
-        "localhost,localhost",
-        "--max-restarts",
-        "2",
-        "--",
-        sys.executable,
-        "-c",
-        code,
-        str(tmp_path),
-        timeout=60,
+    proc = _launch_lines(
+        tmp_path,
+        ("--max-restarts", "2"),
+        "open(os.path.join(out, f'runs-{t}'), 'a').write('run\\n')",
+        "time.sleep(2) if t == 1 else None",
+        "os.kill(os.getpid(), signal.SIGKILL) if t == 1 else sys.exit(0)",
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "runs-0").read_text() == "run\n"
