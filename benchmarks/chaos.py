@@ -103,7 +103,7 @@ def _result(output):
 def _last_error(stderr):
     """The exception the process ended with (a traceback's last line), else its last error line."""
     lines = stderr.splitlines()
-    raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception)\b[^ ]*: ", line)]
+    raised = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
     errors = raised or [line for line in lines if "Error" in line]
     return errors[-1][:300] if errors else stderr.strip()[-300:]
 
