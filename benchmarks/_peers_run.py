@@ -124,6 +124,25 @@ class _Curve:
         self.points.append((now, accuracy_now))
 
 
+def _link_bytes(pid):
+    """Bytes received and sent so far on the interfaces of ``pid``'s network
+    namespace but ``lo``."""
+    with open(f"/proc/{pid}/net/dev") as f:
+        return interface_bytes(f.read())
+
+
+def interface_bytes(net_dev):
+    """Bytes received plus sent on every interface but ``lo`` of a
+    ``/proc/net/dev`` text; ``None`` if it has no other."""
+    counted = []
+    for line in net_dev.splitlines()[2:]:
+        name, counters = line.split(":", 1)
+        if name.strip() != "lo":
+            fields = counters.split()
+            counted.append(int(fields[0]) + int(fields[8]))
+    return sum(counted) if counted else None
+
+
 def _timed_fit(keras, model, train, cfg, steps, cpu_pids, test):
     """A warm-up epoch, then ``cfg["epochs"]`` timed epochs of ``steps`` steps: the
     timed seconds, CPU seconds per job, and the accuracy curve of both.
@@ -137,14 +156,19 @@ def _timed_fit(keras, model, train, cfg, steps, cpu_pids, test):
     curve = _Curve(keras, model, test)
     warmup = cfg.get("warmup_steps") or steps
     model.fit(train, epochs=1, steps_per_epoch=warmup, verbose=0, callbacks=[curve.callback])
+    # The link of the ps (asynchronous) or of this worker (synchronous), in
+    # its own namespace; on 127.0.0.1 every task shares the host's.
+    link_pid = (cpu_pids.get("ps") or cpu_pids["worker"])[0] if cfg["isolated"] else None
     before = {job: _cpu_seconds(pids) for job, pids in cpu_pids.items()}
+    link_before = None if link_pid is None else _link_bytes(link_pid)
     start = curve.seconds()
     model.fit(
         train, epochs=cfg["epochs"], steps_per_epoch=steps, verbose=0, callbacks=[curve.callback]
     )
     seconds = curve.seconds() - start
     cpu = {job: _cpu_seconds(pids) - before[job] for job, pids in cpu_pids.items()}
-    return seconds, cpu, curve.points
+    link = None if link_before is None else _link_bytes(link_pid) - link_before
+    return seconds, cpu, curve.points, link
 
 
 # --- asynchronous: this process is the chief ---------------------------------------
@@ -213,9 +237,12 @@ def async_run(cfg):
         cluster.stop()
 
 
-def _summary(cfg, examples_per_epoch, seconds, cpu, curve):
+def _summary(cfg, examples_per_epoch, seconds, cpu, curve, link):
     batches = cfg["epochs"] * examples_per_epoch // BATCH
     return {
+        # Megabytes in and out on the ps's link (asynchronous) or a worker's
+        # (synchronous) per BATCH examples, on 100 Mbit/s links only.
+        "link_mb_per_batch": None if link is None else link / batches / 1e6,
         "examples_per_second": cfg["epochs"] * examples_per_epoch / seconds,
         "seconds": seconds,
         "accuracy": curve[-1][1],

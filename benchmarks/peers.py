@@ -151,7 +151,9 @@ def _time_rows(model, network, runs):
         busy = {job: _harness.median([c.get(job, 0.0) for c in cores]) for job in JOBS}
         total = _harness.median([sum(c.values()) for c in cores])
         eps = _harness.median([r["examples_per_second"] for r in rs])
-        rows.append([model, network, name, eps, *busy.values(), total, 2.0 - total])
+        links = [r.get("link_mb_per_batch") for r in rs]
+        link = None if None in links else _harness.median(links)
+        rows.append([model, network, name, eps, *busy.values(), total, 2.0 - total, link])
     return rows
 
 
@@ -263,6 +265,7 @@ TIME_COLUMNS = [
     "worker cores",
     "cores busy",
     "cores idle",
+    "link MB/64ex",
 ]
 
 #: The README's compact table (the Benchmarks page has every column).
@@ -317,9 +320,8 @@ def _notes(quick, seed, repeats, plan, failure):
     sizes = "; ".join(f"{m}/{n}: {w} warm-up + {e} x {s} timed steps" for m, n, s, w, e, _ in plan)
     return [
         f"{repeats} interleaved repeat(s) per case, medians, seed {seed} (data, "
-        "shuffles and initial weights the same in every repeat). Measured on a shared "
-        "2-core machine (another engineer's tests ran at the same time): chief, ps and "
-        "workers of a run share its 2 cores.",
+        "shuffles and initial weights the same in every repeat). Measured on a 2-core "
+        "machine: chief, ps and workers of a run share its 2 cores.",
         f"Steps of one 64-example batch (a synchronous step trains one on each of the 2 "
         f"workers, so the same examples take half the steps): {sizes}. Epochs span several "
         "passes over the data so that steps_per_execution=50 gives each worker several "
@@ -345,7 +347,10 @@ def _notes(quick, seed, repeats, plan, failure):
         "machine has. A system with cores idle waited: on its exchanges' round trips or, "
         "on 100 Mbit/s, on the links. One near 2 busy cores is bound by the machine: "
         "there, more examples/s than the peer needs less CPU per example, not less "
-        "waiting.",
+        "waiting. link MB/64ex (100 Mbit/s only): megabytes received and sent on the "
+        "ps's link (asynchronous) or on one worker's (synchronous) per 64 examples "
+        "trained, from /proc/<pid>/net/dev of its namespace; at 100 Mbit/s a link "
+        "carries 12.5 MB/s each way.",
         "Keras 3 model.fit under plain tf.distribute.MultiWorkerMirroredStrategy (2 "
         f"workers, TF_CONFIG, exit codes {failure.get('exit_codes')}): "
         f"{failure.get('error')}",

@@ -215,13 +215,34 @@ def test_peers_where_the_time_goes():
             },
             {"examples_per_second": 3200.0, "cpu_ms_per_batch": {"chief": 2, "ps": 4, "worker": 6}},
         ],
-        "cmwms-dense": [{"examples_per_second": 640.0, "cpu_ms_per_batch": {"worker": 150}}],
+        "cmwms-dense": [
+            {
+                "examples_per_second": 640.0,
+                "cpu_ms_per_batch": {"worker": 150},
+                "link_mb_per_batch": 2.5,
+            }
+        ],
     }
     rows = peers._time_rows("digits", "loopback", runs)
     assert rows[0][:3] == ["digits", "loopback", "downpour-n1"]
     # Medians of the two repeats: chief (0.1, 0.1), ps (0.5, 0.2), workers (1.0, 0.3).
-    assert rows[0][3:] == pytest.approx([4800.0, 0.1, 0.35, 0.65, 1.1, 0.9])
-    assert rows[1][3:] == pytest.approx([640.0, 0.0, 0.0, 1.5, 1.5, 0.5])
+    # The link's megabytes are known only on rate-limited links (namespaces).
+    assert rows[0][3:-1] == pytest.approx([4800.0, 0.1, 0.35, 0.65, 1.1, 0.9])
+    assert rows[0][-1] is None
+    assert rows[1][3:] == pytest.approx([640.0, 0.0, 0.0, 1.5, 1.5, 0.5, 2.5])
+
+
+def test_peers_link_bytes_count_both_ways_on_every_interface_but_loopback():
+    from benchmarks import _peers_run
+
+    header = (
+        "Inter-|   Receive                |  Transmit\n"
+        " face |bytes    packets errs drop|bytes    packets errs drop\n"
+    )
+    lo = "    lo: 900 9 0 0 0 0 0 0 900 9 0 0 0 0 0 0\n"
+    eth = "  eth0: 1000 10 0 0 0 0 0 0 250 5 0 0 0 0 0 0\n"
+    assert _peers_run.interface_bytes(header + lo + eth) == 1250
+    assert _peers_run.interface_bytes(header + lo) is None  # 127.0.0.1: not measured
 
 
 def test_peers_plot_draws_the_committed_table(tmp_path):

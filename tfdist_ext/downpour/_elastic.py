@@ -311,6 +311,12 @@ class _Replicas:
     ``since[i]`` counts its local steps since its last exchange (a period
     of ``tau`` steps may span rounds); ``born[i]`` is the generation the row
     belongs to (an older one starts afresh: ``DownpourRuntime.fit_generation``).
+
+    Every round saves its replica to the rows (a killed worker, and a
+    backup, resume from them) and also keeps it on the worker
+    (:class:`_HeldReplica`): the worker's next round starts from that copy,
+    so the replica and its optimizer state cross to the ps once per round
+    instead of both ways.
     """
 
     def __init__(self, strategy, trainable, state, generation):
@@ -338,15 +344,33 @@ class _Replicas:
                             name="easgd_replica",
                         )
                     )
+        self.held = _HeldReplica(strategy, self.kept)
 
     def load(self, worker):
-        """``(weights, optimizer state, steps since the last exchange)`` of the
-        worker's replica: its saved row, or a fresh replica."""
+        """``(weights, optimizer state, steps since the last exchange, loaded)``
+        of the worker's replica: the copy it held from its last round while
+        its row is still that round's save, else its saved row or a fresh
+        replica (``loaded``: read from the ps)."""
         index = tf.reshape(tf.cast(worker, tf.int64), [1])
         born = self.born.sparse_read(index)[0]
-        fresh = tf.logical_and(
-            tf.not_equal(born, self.generation.read_value()), tf.not_equal(born, RESTORED)
+        generation = self.generation.read_value()
+        # Read outside the cond: a per-worker variable is read where the
+        # function binds it to the worker's copy.
+        held, held_since, held_born = self.held.read()
+        # A row of this generation was saved by this worker's rounds (a
+        # backup's rows are RESTORED): if the worker holds the same
+        # generation's copy, it is the row's latest save.
+        holds = tf.logical_and(tf.equal(born, generation), tf.equal(held_born, generation))
+        weights, state, since = tf.cond(
+            holds,
+            lambda: (*self._split(held), held_since),
+            lambda: self._row_or_fresh(index, born, generation),
         )
+        return weights, state, since, tf.logical_not(holds)
+
+    def _row_or_fresh(self, index, born, generation):
+        """The worker's saved row (from the ps), or a fresh replica."""
+        fresh = tf.logical_and(tf.not_equal(born, generation), tf.not_equal(born, RESTORED))
         values = []
         for v, rows in zip(self.kept, self.rows):
             with tf.device(v.value.device):
@@ -372,15 +396,18 @@ class _Replicas:
     def save(self, worker, weights, state, since):
         """Keeps the worker's replica, optimizer state and period for its next round."""
         index = tf.reshape(tf.cast(worker, tf.int64), [1])
+        generation = self.generation.read_value()
         ops = [
-            self.born.scatter_update(tf.IndexedSlices(self.generation.read_value()[None], index)),
+            self.born.scatter_update(tf.IndexedSlices(generation[None], index)),
             self.since.scatter_update(tf.IndexedSlices(tf.cast(since, tf.int64)[None], index)),
         ]
         values = _round.one_transfer_per_task([*weights, *state], self.homes, to_ps=True)
         for value, rows, v in zip(values, self.rows, self.kept):
             with tf.device(v.value.device):
                 ops.append(rows.scatter_update(tf.IndexedSlices(value[None], index)))
-        return ops
+        # Held only once saved: a held copy is never ahead of its row.
+        with tf.control_dependencies(ops):
+            return ops + self.held.keep([*weights, *state], since, generation)
 
     def exchange(self, weights, alpha):
         """The elastic exchange: the centre moves by ``d``; returns ``d`` on the worker."""
@@ -417,6 +444,40 @@ class _Replicas:
     def _split(self, values):
         n = len(self.trainable)
         return values[:n], values[n:]
+
+
+class _HeldReplica:
+    """A worker's copy of its replica, kept in per-worker variables between rounds.
+
+    Lost with the worker (its next incarnation loads its row); ``born`` is
+    the generation it was saved in (-1: none).
+    """
+
+    def __init__(self, strategy, kept):
+        with strategy.scope():
+            self.values = [
+                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, per_worker_variable=True)
+                for v in kept
+            ]
+            self.since = tf.Variable(
+                tf.constant(0, tf.int32), trainable=False, per_worker_variable=True
+            )
+            self.born = tf.Variable(
+                tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
+            )
+
+    def read(self):
+        """``(values, steps since the last exchange, generation)``."""
+        return (
+            [v.read_value() for v in self.values],
+            self.since.read_value(),
+            self.born.read_value(),
+        )
+
+    def keep(self, values, since, generation):
+        """The writes that hold ``values`` for the worker's next round."""
+        writes = [v.assign(t) for v, t in zip(self.values, values)]
+        return writes + [self.since.assign(since), self.born.assign(generation)]
 
 
 def build_elastic_round(model, strategy, version, generation):
@@ -478,7 +539,7 @@ class _ElasticRound:
         """``num_steps`` local steps (``prefetch``: Downpour's; a replica is kept anyway)."""
         metrics_start = [tf.convert_to_tensor(v.value) for v in self.metric_vars]
         metric_values = metrics_start
-        x, kept, since = self.replicas.load(worker)
+        x, kept, since, loaded = self.replicas.load(worker)
         seen = self.version.read_value()
         exchanges = rejected = tf.constant(0, tf.int64)
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
@@ -507,11 +568,15 @@ class _ElasticRound:
         steps = _round.after_writes(
             tf.cast(num_steps, tf.int64), writes, self.metric_vars, metric_values, metrics_start
         )
-        return self.counters(worker, steps, exchanges, rejected, staleness.stack())
+        return self.counters(worker, steps, exchanges, rejected, staleness.stack(), loaded)
 
-    def counters(self, worker, steps, exchanges, rejected, staleness):
+    def counters(self, worker, steps, exchanges, rejected, staleness, loaded):
         """What a round returns (see ``_round.DownpourRound.counters``)."""
-        sent = exchanges * self.param_bytes + self.state_bytes  # the state's load and save
+        exchanged = exchanges * self.param_bytes
+        saved = exchanged + self.state_bytes  # the round's save
+        fetched = exchanged + tf.where(
+            loaded, tf.constant(self.state_bytes, tf.int64), tf.constant(0, tf.int64)
+        )
         return {
             "worker": worker,
             "steps": steps,
@@ -519,9 +584,9 @@ class _ElasticRound:
             # whether a replica has exchanged its latest steps yet or not.
             "applied_steps": steps,
             "pushes": exchanges,
-            "fetches": exchanges + 1,
+            "fetches": exchanges + tf.cast(loaded, tf.int64),
             "rejected": rejected,
             "staleness": staleness,
-            "push_bytes": sent,
-            "fetch_bytes": sent,
+            "push_bytes": saved,
+            "fetch_bytes": fetched,
         }
