@@ -290,3 +290,25 @@ def test_peers_knob_rows_face_the_peers_fastest_parameter_server_run():
     rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
     assert rows["async, EASGD tau=10"][4] == "tf_keras-pss-spe50"
     assert rows["async, best of each"][3:5] == ["downpour-n1", "tf_keras-pss-spe50"]
+
+
+def test_push_period_table_takes_medians_over_seeds_and_counts_updates():
+    from benchmarks import push_period
+
+    results = {
+        "downpour w=2 k=5": {
+            "cfg": {"system": "downpour", "workers": 2, "k": 5, "steps": 300},
+            "runs": [
+                {"accuracy": [0.5, 0.6, 0.7], "staleness_mean": 1.0},
+                {"accuracy": [0.7, 0.8, 0.9], "staleness_mean": 2.0},
+                {"accuracy": [0.6, 0.7, 0.8], "staleness_mean": 1.5},
+            ],
+        },
+        "keras k=1 d=2": {
+            "cfg": {"system": "delayed", "k": 1, "delay": 2, "steps": 300},
+            "runs": [{"accuracy": [0.9, 0.95, 0.97]}],
+        },
+    }
+    rows = push_period.table(results)["rows"]
+    assert rows[0] == ["downpour w=2 k=5", 5, 60, 1.5, 0.6, 0.7, 0.8]
+    assert rows[1] == ["keras k=1 d=2", 1, 300, 2, 0.9, 0.95, 0.97]

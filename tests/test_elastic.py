@@ -77,6 +77,11 @@ def test_centre_and_replica_follow_the_easgd_rule_exactly():
     assert r["iterations"] == 48
     # 16 exchanges, none stale (one worker), bytes of the model each way per exchange.
     assert r["stats"]["pushes"] == 16 and r["stats"]["staleness_max"] == 0
+    # The replica crossed from the ps only when it started: in the first fit
+    # and after set_weights; every other round began from the one it held.
+    stats = r["stats"]
+    assert stats["fetches"] == 16 + 2, stats
+    assert stats["prefetched_rounds"] == stats["rounds"] - 2, stats
 
 
 # The compiled optimizers (elastic_cases.EXACT_OPTIMIZERS), as plain Keras

@@ -585,6 +585,9 @@ class _ElasticRound:
             "applied_steps": steps,
             "pushes": exchanges,
             "fetches": exchanges + tf.cast(loaded, tf.int64),
+            # Started from the replica the worker held (Downpour's word for
+            # a round that began with no fetch).
+            "prefetched": tf.cast(tf.logical_not(loaded), tf.int64),
             "rejected": rejected,
             "staleness": staleness,
             "push_bytes": saved,
