@@ -12,6 +12,7 @@ from tfdist_ext._ps_strategy import positive_int
 from tfdist_ext._ps_strategy import split_paths
 from tfdist_ext._state_backup import fit_with_state_backups
 from tfdist_ext.downpour import _round
+from tfdist_ext.downpour import _staleness
 from tfdist_ext.downpour._elastic_backup import RESTORED
 from tfdist_ext.downpour._elastic_backup import ReplicaState
 from tfdist_ext.downpour._elastic_backup import fitted
@@ -237,6 +238,7 @@ class _OptimizerState:
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             self.scale_at = next(i for i, v in enumerate(self.kept) if v is optimizer.dynamic_scale)
 
+    @_staleness.graph_code
     def fresh(self, variable):
         """A fresh replica's value of ``variable`` (a weight or a kept one), read on its ps.
 
@@ -249,18 +251,22 @@ class _OptimizerState:
             return tf.zeros(variable.shape, variable.dtype)
         return tf.convert_to_tensor(variable.value.read_value())
 
+    @_staleness.graph_code
     def read_shared(self):
         return [tf.convert_to_tensor(v.value.read_value()) for v in self.shared]
 
+    @_staleness.graph_code
     def merge(self, kept, shared):
         """Values for all of ``optimizer.variables``, in their order."""
         kept, shared = iter(kept), iter(shared)
         return [next(shared) if self._is_shared(v) else next(kept) for v in self.variables]
 
+    @_staleness.graph_code
     def keep(self, values):
         """The ``kept`` part of values for all of ``optimizer.variables``."""
         return [t for v, t in zip(self.variables, values) if not self._is_shared(v)]
 
+    @_staleness.graph_code
     def scale(self, kept):
         """The replica's dynamic loss scale (a ``LossScaleOptimizer``'s), or ``None``."""
         return None if self.scale_at is None else kept[self.scale_at]
@@ -346,6 +352,7 @@ class _Replicas:
                     )
         self.held = _HeldReplica(strategy, self.kept)
 
+    @_staleness.graph_code
     def load(self, worker):
         """``(weights, optimizer state, steps since the last exchange, loaded)``
         of the worker's replica: the copy it held from its last round while
@@ -368,6 +375,7 @@ class _Replicas:
         )
         return weights, state, since, tf.logical_not(holds)
 
+    @_staleness.graph_code
     def _row_or_fresh(self, index, born, generation):
         """The worker's saved row (from the ps), or a fresh replica."""
         fresh = tf.logical_and(tf.not_equal(born, generation), tf.not_equal(born, RESTORED))
@@ -385,6 +393,7 @@ class _Replicas:
         weights, state = self._split(_round.one_transfer_per_task(values, self.homes, to_ps=False))
         return weights, state, tf.cast(since, tf.int32)
 
+    @_staleness.graph_code
     def restart(self):
         """``(weights, optimizer state)`` of a fresh replica: the centre's weights."""
         values = []
@@ -393,6 +402,7 @@ class _Replicas:
                 values.append(self.fresh(v))
         return self._split(_round.one_transfer_per_task(values, self.homes, to_ps=False))
 
+    @_staleness.graph_code
     def save(self, worker, weights, state, since):
         """Keeps the worker's replica, optimizer state and period for its next round."""
         index = tf.reshape(tf.cast(worker, tf.int64), [1])
@@ -409,6 +419,7 @@ class _Replicas:
         with tf.control_dependencies(ops):
             return ops + self.held.keep([*weights, *state], since, generation)
 
+    @_staleness.graph_code
     def exchange(self, weights, alpha):
         """The elastic exchange: the centre moves by ``d``; returns ``d`` on the worker."""
         homes = self.homes[: len(self.trainable)]
@@ -466,6 +477,7 @@ class _HeldReplica:
                 tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
             )
 
+    @_staleness.graph_code
     def read(self):
         """``(values, steps since the last exchange, generation)``."""
         return (
@@ -474,6 +486,7 @@ class _HeldReplica:
             self.born.read_value(),
         )
 
+    @_staleness.graph_code
     def keep(self, values, since, generation):
         """The writes that hold ``values`` for the worker's next round."""
         writes = [v.assign(t) for v, t in zip(self.values, values)]
@@ -493,7 +506,12 @@ def build_elastic_round(model, strategy, version, generation):
 
 class _ElasticRound:
     """A worker's round: local steps of the compiled optimizer on its replica,
-    an exchange with the centre at the end of each period of ``tau`` of them."""
+    an exchange with the centre at the end of each period of ``tau`` of them.
+
+    As in Downpour's round, only :meth:`run` and :meth:`local_steps` hold
+    loops or conds on tensors (autograph converts them); what they call is
+    graph code.
+    """
 
     def __init__(self, model, strategy, version, generation):
         self.trainable = list(model.trainable_variables)
@@ -527,6 +545,7 @@ class _ElasticRound:
             kept = state.keep(values)
         return x, kept, metric_values
 
+    @_staleness.graph_code
     def exchange(self, x):
         """The replica after an exchange with the centre, and the server version before it."""
         moves = self.replicas.exchange(x, self.alpha)
@@ -570,13 +589,12 @@ class _ElasticRound:
         )
         return self.counters(worker, steps, exchanges, rejected, staleness.stack(), loaded)
 
+    @_staleness.graph_code
     def counters(self, worker, steps, exchanges, rejected, staleness, loaded):
         """What a round returns (see ``_round.DownpourRound.counters``)."""
         exchanged = exchanges * self.param_bytes
         saved = exchanged + self.state_bytes  # the round's save
-        fetched = exchanged + tf.where(
-            loaded, tf.constant(self.state_bytes, tf.int64), tf.constant(0, tf.int64)
-        )
+        fetched = exchanged + tf.cast(loaded, tf.int64) * self.state_bytes
         return {
             "worker": worker,
             "steps": steps,
