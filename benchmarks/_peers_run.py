@@ -197,7 +197,12 @@ def _async_strategy(tf, cfg, cluster):
 
         if cfg["system"] == "easgd":
             return tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=cfg["n"])
-        return tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
+        return tfdist_ext.DownpourStrategy(
+            cluster.resolver,
+            n_fetch=cfg["n"],
+            n_push=cfg["n"],
+            background_fetch=cfg.get("background_fetch", True),
+        )
     return tf.distribute.ParameterServerStrategy(cluster.resolver)
 
 

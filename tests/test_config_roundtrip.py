@@ -126,6 +126,7 @@ STRATEGIES = [
             model_devices=["/device:CPU:0", "/device:CPU:1"],
             staleness_policy=StalenessAwareLR(),
             max_staleness=2,
+            background_fetch=True,
         ),
     ),
     (
@@ -140,6 +141,7 @@ STRATEGIES = [
             model_devices=None,
             staleness_policy=DelayCompensation(lam=0.5),
             max_staleness=None,
+            background_fetch=False,
         ),
     ),
     (
@@ -154,6 +156,7 @@ STRATEGIES = [
             model_devices=None,
             staleness_policy=None,
             max_staleness=0,
+            background_fetch=True,
         ),
     ),
     (

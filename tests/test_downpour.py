@@ -183,6 +183,7 @@ def test_bad_cluster_and_arguments_fail_at_construction():
         ({"model_devices": "/device:CPU:0"}, "model_devices"),
         ({"model_devices": []}, "model_devices"),
         ({"compression": "zip"}, "unknown compressor"),
+        ({"background_fetch": "no"}, "background_fetch"),
     ):
         with pytest.raises(ValueError, match=message):
             tfdist_ext.DownpourStrategy(resolver(good), **kwargs)
@@ -282,6 +283,17 @@ def test_a_push_of_n_steps_is_one_sgd_step_of_n_times_the_rate():
     assert result["pushes"] == 1
     assert result["to_one_step_of_k_lr"] <= 1e-6 * max(1.0, result["moved"])
     assert result["to_k_sequential_steps"] > 100 * result["to_one_step_of_k_lr"] + 1e-6
+
+
+@pytest.mark.timeout(200)
+def test_without_background_fetch_one_worker_takes_keras_sgd_steps():
+    # One worker, n_fetch = n_push = 1, plain SGD. Each fetch follows the
+    # worker's own push: the run is Keras's sequential steps, exactly. The
+    # background fetch computes each step (but the first) without the last.
+    r = run_program("fetch_order", timeout=180)
+    assert r["after_push"] == {"to_sequential": 0.0, "staleness": [0] * 8}, r
+    assert r["background"]["staleness"] == [0] + [1] * 7, r
+    assert r["background"]["to_sequential"] > 1e-2 * r["moved"], r
 
 
 @pytest.mark.timeout(200)

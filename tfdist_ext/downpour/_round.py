@@ -214,7 +214,10 @@ class DownpourRound:
     parameters for the next fetch point are read after it (DistBelief's
     background push and fetch): a replica computes without its own last
     push, one push of staleness that the version counter measures like any
-    other. A last, empty block applies the round's last push, so nothing is
+    other. Without ``background_fetch`` a block that fetches reads once the
+    previous block's push is applied and computes on what it read: no push
+    of its own is missing, and the fetch no longer hides behind compute. A
+    last, empty block applies the round's last push, so nothing is
     in flight when the round ends. The fetch's reads on the ps run in every
     block (no transfer); the crossing only when due, in a cond of no
     stateful op, so the next push crosses while this fetch still does.
@@ -273,7 +276,13 @@ class DownpourRound:
         # DelayCompensation backup slot, an SSP clock tick) and there is a copy to
         # keep (Downpour's own step).
         self.carry = None
-        if owner is None and self.server.fetch_is_a_read and self.bound.s is None:
+        self.background = strategy.background_fetch
+        if (
+            self.background
+            and owner is None
+            and self.server.fetch_is_a_read
+            and self.bound.s is None
+        ):
             self.carry = PrefetchedParams(strategy, trainable, generation)
 
     @_staleness.graph_code
@@ -366,16 +375,23 @@ class DownpourRound:
         sent, pushes, rejected, applied = counts
         accepted, before, state, nbytes_sent = self.push(outbox, state, steps, origin)
         sent += nbytes_sent
+        # `before` comes from the push's applying (-1 if rejected): what a
+        # fetch that must follow the push waits for.
+        landed = before
         if accepted:
             staleness = staleness.write(staleness.size(), before - origin[1])
             pushes += 1
             applied += steps
         else:
             rejected += 1
-        return state, (sent, pushes, rejected, applied), staleness
+        return state, (sent, pushes, rejected, applied), staleness, landed
 
-    def fetch_due(self, done, count, num_steps, prefetch):
-        """Whether the block that ends at step ``done`` fetches."""
+    def fetch_due(self, start, count, num_steps, prefetch):
+        """Whether the block of ``count`` steps from step ``start`` fetches."""
+        if not self.background:
+            # For itself, after its own last push (the round's start fetched).
+            return start % self.n_fetch == 0 and start > 0 and count > 0
+        done = start + count  # in the background, for the steps from `done`
         if self.carry is None:
             return done % self.n_fetch == 0 and done < num_steps
         # The last block fetches too: the next round's parameters.
@@ -403,21 +419,24 @@ class DownpourRound:
         staleness = tf.TensorArray(tf.int64, size=0, dynamic_size=True)
         done = tf.constant(0, tf.int32)
         while done < num_steps or outbox_steps > 0:
+            landed = no_steps
             if outbox_steps > 0:
-                state, counts, staleness = self.send(
+                state, counts, staleness, landed = self.send(
                     outbox, outbox_steps, (worker, *outbox_source), state, counts, staleness
                 )
             count = tf.minimum(self.block, num_steps - done)
-            done += count
             fetch_due = self.fetch_due(done, count, num_steps, prefetch)
+            done += count
             ready = tf.constant(True)
             if fetch_due:
                 ready = self.before_fetch(worker, fetches % 2)
-            with tf.control_dependencies([ready]):
+            with tf.control_dependencies([ready] if self.background else [ready, landed]):
                 packed, packed_source = self.read(worker, fetches % 2)
             if fetch_due:
                 prefetched, prefetched_source = self.unpack_params(packed), packed_source
                 fetches += 1
+                if not self.background:
+                    params, source = prefetched, prefetched_source
             accum, metric_values = self.local_steps(
                 batches, done - count, count, params, accum, metric_values
             )
@@ -426,7 +445,7 @@ class DownpourRound:
             if done % self.n_push == 0 or done == num_steps:
                 outbox, outbox_steps, outbox_source = accum, carried, source
                 accum, carried = zeros, no_steps
-            if fetch_due:
+            if self.background and fetch_due:
                 params, source = prefetched, prefetched_source
         saved = self.save(worker, state)
         if self.carry is not None:
