@@ -4,8 +4,9 @@
 line ``RESULT {json}``: the held-out accuracy after each third of the run's
 examples (``accuracy``), and for Downpour the staleness it measured.
 
-* ``downpour``: ``DownpourStrategy(n_fetch=n_push=k)`` on a ``LocalCluster``
-  of ``workers`` workers and 1 ps, ``steps`` steps of 64 examples.
+* ``downpour``: ``DownpourStrategy(n_fetch=n_push=k, background_fetch=...)``
+  on a ``LocalCluster`` of ``workers`` workers and 1 ps, ``steps`` steps of
+  64 examples.
 * ``delayed``: one Keras process applying Adam to gradients computed on the
   weights of ``delay`` updates before (0: plain Keras steps), each update
   of ``k`` batches of 64: the staleness alone, with no cluster.
@@ -40,7 +41,12 @@ def downpour(cfg):
     k, marks = cfg["k"], []
     with LocalCluster(num_workers=cfg["workers"], num_ps=1, intra_op_threads=1) as cluster:
         keras.utils.set_random_seed(cfg["seed"])
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=k, n_push=k)
+        strategy = tfdist_ext.DownpourStrategy(
+            cluster.resolver,
+            n_fetch=k,
+            n_push=k,
+            background_fetch=cfg.get("background_fetch", True),
+        )
         with strategy.scope():
             model = _model(keras, "digits", x.shape[1], LR, None)
         train = _dataset(tf, x, y, BATCH, cfg["seed"])

@@ -5,7 +5,8 @@ runs today, side by side with this package on Keras 3; same model, data,
 batch (64 per worker step), threads and cluster shape:
 
 * asynchronous: ``tfdist_ext.DownpourStrategy`` (n_fetch = n_push = 1; its
-  default rounds, and ``steps_per_execution=50``) against
+  default rounds, and ``steps_per_execution=50``; each with the background
+  fetch and with ``background_fetch=False``) against
   ``tf.distribute.ParameterServerStrategy`` with ``tf_keras`` ``model.fit``
   (``steps_per_execution`` 1 and 50, each worker reading its own shard of
   the data as in TensorFlow's tutorial); 2 workers and 1 ps, plain
@@ -27,8 +28,10 @@ MLP (1.3M parameters) on seeded synthetic data; on 127.0.0.1 and on links of
 the timed epochs after a warm-up epoch; held-out accuracy after the same
 examples; and the seconds from the first ``fit`` to the same held-out
 accuracy (the highest every run of both sides reached; accuracy is marked
-at every epoch's end, linear between marks). Every run is its own process (``benchmarks/_peers_run.py``;
-``tf_keras`` and Keras 3 never share one); the systems of a case are
+at every epoch's end, linear between marks). "Best of each" pairs each
+side's settings fastest to the accuracy all of that side's runs reach.
+Every run is its own process (``benchmarks/_peers_run.py``; ``tf_keras``
+and Keras 3 never share one); the systems of a case are
 interleaved round by round and summarised by medians. The benchmark also
 runs Keras 3 ``fit`` under plain ``MultiWorkerMirroredStrategy`` once and
 records its error.

@@ -9,8 +9,9 @@ This benchmark separates the two things k changes, on digits with the
 
 * **Downpour** (candidate), 1 and 2 workers, k = 1 and 5: held-out accuracy
   after each third of the examples, and the staleness it measured (in
-  updates). With one worker the only staleness is the fetch that crosses
-  while the worker's own last push is applied.
+  updates). With one worker and the background fetch (the default) the
+  only staleness is the fetch that crosses while the worker's own last push
+  is applied; with ``background_fetch=False`` ("after push") there is none.
 * **One Keras process** (peer: the same updates with no cluster), updates
   of k batches whose gradients are computed on the weights of d = 0, 1, 2
   updates before: the larger updates alone (d = 0) and the staleness alone.
@@ -23,7 +24,8 @@ from benchmarks import _harness
 
 STEPS = 300  # batches of 64, every run
 SEEDS = 3
-DOWNPOUR = [(workers, k) for workers in (1, 2) for k in (1, 5)]
+# (workers, k, background_fetch)
+DOWNPOUR = [(w, k, bg) for bg in (True, False) for w in (1, 2) for k in (1, 5)]
 DELAYED = [(k, d) for k in (1, 5) for d in (0, 1, 2)]
 
 
@@ -31,9 +33,15 @@ def _runs(seed, quick):
     """``{label: cfg}`` of every run for one seed."""
     steps = 60 if quick else STEPS
     runs = {}
-    for workers, k in DOWNPOUR[:2] if quick else DOWNPOUR:
-        runs[f"downpour w={workers} k={k}"] = dict(
-            system="downpour", workers=workers, k=k, steps=steps, seed=seed
+    for workers, k, background in DOWNPOUR[:2] if quick else DOWNPOUR:
+        name = "downpour" if background else "downpour after push"
+        runs[f"{name} w={workers} k={k}"] = dict(
+            system="downpour",
+            workers=workers,
+            k=k,
+            background_fetch=background,
+            steps=steps,
+            seed=seed,
         )
     for k, d in DELAYED:
         runs[f"keras k={k} d={d}"] = dict(system="delayed", k=k, delay=d, steps=steps, seed=seed)
