@@ -267,28 +267,30 @@ def test_peers_plot_draws_the_committed_table(tmp_path):
     assert _harness.write_plot("allocator", str(tmp_path)) is None  # it has no plot
 
 
+def _run_result(eps, acc, seconds=1.0):
+    """One peers run's result: ``acc`` held out ``seconds`` after the first fit."""
+    return {
+        "examples_per_second": eps,
+        "accuracy": acc,
+        "cpu_ms_per_batch": {"chief": 1.0},
+        "examples_trained": 6400,
+        "curve": [(0.0, 0.1), (seconds, acc)],
+    }
+
+
 def test_peers_knob_rows_face_the_peers_fastest_parameter_server_run():
     from benchmarks import peers
 
-    def run(eps, acc, seconds=1.0):
-        return {
-            "examples_per_second": eps,
-            "accuracy": acc,
-            "cpu_ms_per_batch": {"chief": 1.0},
-            "examples_trained": 6400,
-            "curve": [(0.0, 0.1), (seconds, acc)],
-        }
-
     runs = {  # the synthetic 100 Mbit/s case: no steps_per_execution=50 runs
-        "downpour-n1": [run(100.0, 0.3)],
-        "easgd-tau10": [run(900.0, 0.5)],
-        "tf_keras-pss": [run(300.0, 0.4)],
+        "downpour-n1": [_run_result(100.0, 0.3)],
+        "easgd-tau10": [_run_result(900.0, 0.5)],
+        "tf_keras-pss": [_run_result(300.0, 0.4)],
     }
     rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
     assert set(rows) == {"async, default", "async, EASGD tau=10", "async, best of each"}
     assert rows["async, EASGD tau=10"][3:5] == ["easgd-tau10", "tf_keras-pss"]
     assert rows["async, EASGD tau=10"][7] == pytest.approx(3.0)
-    runs["tf_keras-pss-spe50"] = [run(600.0, 0.4, seconds=2.0)]
+    runs["tf_keras-pss-spe50"] = [_run_result(600.0, 0.4, seconds=2.0)]
     rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
     assert rows["async, EASGD tau=10"][4] == "tf_keras-pss-spe50"
 
@@ -296,21 +298,12 @@ def test_peers_knob_rows_face_the_peers_fastest_parameter_server_run():
 def test_peers_best_of_each_is_each_sides_fastest_to_the_same_accuracy():
     from benchmarks import peers
 
-    def run(eps, acc, seconds):
-        return {
-            "examples_per_second": eps,
-            "accuracy": acc,
-            "cpu_ms_per_batch": {"chief": 1.0},
-            "examples_trained": 6400,
-            "curve": [(0.0, 0.1), (seconds, acc)],
-        }
-
     runs = {
         # More examples/s, less accuracy: slower to the 0.3 both reach.
-        "downpour-n1": [run(200.0, 0.3, 1.0)],
-        "downpour-n1-after-push": [run(150.0, 0.5, 1.0)],
-        "tf_keras-pss": [run(100.0, 0.4, 2.0)],
-        "tf_keras-pss-spe50": [run(90.0, 0.4, 1.5)],
+        "downpour-n1": [_run_result(200.0, 0.3, 1.0)],
+        "downpour-n1-after-push": [_run_result(150.0, 0.5, 1.0)],
+        "tf_keras-pss": [_run_result(100.0, 0.4, 2.0)],
+        "tf_keras-pss-spe50": [_run_result(90.0, 0.4, 1.5)],
     }
     rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
     best = rows["async, best of each"]
