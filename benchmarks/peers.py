@@ -197,11 +197,15 @@ def time_to(curve, target):
     return None
 
 
+def _reached_by_all(runs):
+    """The highest held-out accuracy every one of ``runs`` reached."""
+    return min(max(a for _, a in r["curve"]) for r in runs)
+
+
 def _to_same_accuracy(cand_runs, peer_runs):
     """The same accuracy for both sides, the highest every run of both reached,
     and the median seconds each side took to reach it."""
-    runs = cand_runs + peer_runs
-    target = min(max(a for _, a in r["curve"]) for r in runs)
+    target = _reached_by_all(cand_runs + peer_runs)
     cand = _harness.median([time_to(r["curve"], target) for r in cand_runs])
     peer = _harness.median([time_to(r["curve"], target) for r in peer_runs])
     return target, cand, peer
@@ -219,7 +223,7 @@ def _pairs(systems):
 def _fastest_to_accuracy(runs, systems):
     """Of ``systems``, the one of least median seconds to the highest held-out
     accuracy every run of them all reached."""
-    target = min(max(a for _, a in r["curve"]) for s in systems for r in runs[s])
+    target = _reached_by_all([r for s in systems for r in runs[s]])
     return min(
         systems, key=lambda s: _harness.median([time_to(r["curve"], target) for r in runs[s]])
     )

@@ -16,6 +16,7 @@ from tests.programs import report
 from tests.programs.push_sum import BATCH
 from tests.programs.push_sum import LR
 from tests.programs.push_sum import compiled
+from tests.programs.push_sum import distance
 from tests.programs.push_sum import model
 
 K = 8
@@ -44,9 +45,6 @@ def main():
     sequential.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
     # Read before the cluster: connecting makes this process's variables unreachable.
     k_steps = sequential.get_weights()
-
-    def distance(a, b):
-        return float(max(np.max(np.abs(p - q)) for p, q in zip(a, b)))
 
     out = {"moved": distance(k_steps, initial)}
     with tfdist_ext.LocalCluster(num_workers=1, num_ps=1) as cluster:

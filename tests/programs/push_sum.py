@@ -36,6 +36,11 @@ def compiled(net, lr, steps):
     return net
 
 
+def distance(a, b):
+    """The largest absolute difference between two lists of weights."""
+    return float(max(np.max(np.abs(p - q)) for p, q in zip(a, b)))
+
+
 def main(k):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(k * BATCH, 8)).astype("float32")
@@ -58,9 +63,6 @@ def main(k):
         net.fit(data, epochs=1, verbose=0)
         pushes = strategy.stats.summary()["pushes"]
         downpour = net.get_weights()
-
-    def distance(a, b):
-        return float(max(np.max(np.abs(p - q)) for p, q in zip(a, b)))
 
     report(
         {

@@ -375,16 +375,15 @@ class DownpourRound:
         sent, pushes, rejected, applied = counts
         accepted, before, state, nbytes_sent = self.push(outbox, state, steps, origin)
         sent += nbytes_sent
-        # `before` comes from the push's applying (-1 if rejected): what a
-        # fetch that must follow the push waits for.
-        landed = before
         if accepted:
             staleness = staleness.write(staleness.size(), before - origin[1])
             pushes += 1
             applied += steps
         else:
             rejected += 1
-        return state, (sent, pushes, rejected, applied), staleness, landed
+        # `before` comes out of the push's applying (-1 if rejected): what a
+        # fetch that must follow the push waits for.
+        return state, (sent, pushes, rejected, applied), staleness, before
 
     def fetch_due(self, start, count, num_steps, prefetch):
         """Whether the block of ``count`` steps from step ``start`` fetches."""
