@@ -94,18 +94,18 @@ def many_steps_per_dispatch():
 
 
 class _FirstBatch(keras.callbacks.Callback):
-    """How many rounds were dispatched when each epoch's first batch ended."""
+    """The loss the callbacks see at each epoch's first batch."""
 
-    def __init__(self, sizes):
+    def __init__(self):
         super().__init__()
-        self.sizes, self.at_first_batch = sizes, []
+        self.losses = []
 
     def on_epoch_begin(self, epoch, logs=None):
         self.marked = False
 
     def on_train_batch_end(self, batch, logs=None):
         if not self.marked:
-            self.at_first_batch.append(len(self.sizes))
+            self.losses.append(float(logs["loss"]))
             self.marked = True
 
 
@@ -137,19 +137,20 @@ def short_epochs():
         train = datasets.digits("train", flatten=True).shuffle(2048, seed=0)
         train = train.batch(32, drop_remainder=True).repeat()
         first = _short_epochs(strategy, sizes, train)
-        # Rounds of steps_per_execution steps: while the chief waits for an
-        # epoch's first round, the other worker already has a round of its own.
+        # steps_per_execution = 10: a call's batches are shared by the idle
+        # workers, and the chief waits for an epoch's first round.
         with strategy.scope():
             model = digits_model(10)
         strategy.stats.reset()
         del sizes[:]
-        first_batch = _FirstBatch(sizes)
+        first_batch = _FirstBatch()
         model.fit(train, epochs=2, steps_per_epoch=40, verbose=0, callbacks=[first_batch])
         report(
             {
                 **first,
                 "spe_sizes": list(sizes),
-                "at_first_batch": first_batch.at_first_batch,
+                "spe_per_worker": strategy.stats.steps_per_worker,
+                "first_batch_losses": first_batch.losses,
                 "spe_steps": strategy.stats.summary()["steps"],
                 "spe_iterations": int(model.optimizer.iterations.numpy()),
             }

@@ -10,9 +10,10 @@ unchanged (progress bar, callbacks, validation, checkpoints). For every other
 model ``fit`` is Keras's, untouched.
 
 Each call of the train function reads the batches Keras's own function
-would from Keras's iterator on the chief; every :func:`dispatch_steps`
-batches it schedules one round (``_round.py``) of them on whichever worker
-is free (``ClusterCoordinator``). As Keras's ``steps_per_execution`` does,
+would from Keras's iterator on the chief and schedules them in rounds
+(``_round.py``) of at most :func:`dispatch_steps` batches on whichever worker
+is free (``ClusterCoordinator``), spread so that no worker idles while
+another holds many. As Keras's ``steps_per_execution`` does,
 one dispatch runs many steps: the coordinator's per-call cost is paid once
 per round, not once per step. At each epoch's end, with no round in flight,
 ``optimizer.iterations`` is set to the exact number of training steps whose
@@ -112,11 +113,12 @@ class TrainFunction:
 
     Each call reads the batches Keras's own function would (up to
     ``steps_per_execution``, fewer at the end of the data) from Keras's
-    iterator on the chief, and buffers them; a round of the buffered
-    batches goes to whichever worker is free when the buffer holds
-    :func:`dispatch_steps` of them, or a ``round_steps`` multiple while a
-    worker is idle. Keras's data adapters and epoch iterator thus decide
-    what is trained, in which order and how many steps an epoch has.
+    iterator on the chief, and buffers them. Each idle worker gets a share
+    of the buffer (whole ``round_steps``, :func:`dispatch_steps` at most);
+    while all are busy, full rounds queue for the next free one; at an
+    epoch's end the rest is spread over all workers. Keras's data adapters
+    and epoch iterator thus decide what is trained, in which order and how
+    many steps an epoch has.
     """
 
     def __init__(self, model, strategy, runtime):
@@ -155,8 +157,8 @@ class TrainFunction:
                 # server's latest parameters (none prefetched).
                 self._schedule(1, prefetch=False)
                 self._wait(lambda: not self._inflight)
+        self._collect()  # which workers are idle
         self._schedule_due()
-        self._collect()
         if self.strategy.stats.steps == self._epoch_base["steps"]:
             # Nothing of this epoch has finished yet: wait for its first
             # round so that callbacks never see the reset metrics' zeros.
@@ -185,9 +187,10 @@ class TrainFunction:
         return batches
 
     def finish_epoch(self):
-        """Schedules the buffered steps, waits for all rounds; exact epoch logs."""
+        """Spreads the buffered steps over the workers, waits for all rounds;
+        exact epoch logs."""
         if self._buffer:
-            self._schedule(len(self._buffer))
+            self._spread(len(self._buffer), self.strategy.num_workers)
         self._wait(lambda: not self._inflight)
         self._count_iterations()
         self._read_logs()
@@ -206,15 +209,32 @@ class TrainFunction:
     # -- scheduling ----------------------------------------------------------
 
     def _schedule_due(self):
-        """Schedules full rounds, and a ``round_steps`` multiple while a worker idles."""
+        """Gives each idle worker a share of the buffer (whole ``round_steps``,
+        a full round at most); full rounds queue while every worker is busy."""
         lcm = self.strategy.round_steps
         while True:
-            if len(self._buffer) >= self.round_size:
+            idle = self.strategy.num_workers - len(self._inflight)
+            ready = len(self._buffer) // lcm * lcm
+            if idle > 0 and ready:
+                self._spread(min(ready, idle * self.round_size), idle)
+            elif len(self._buffer) >= self.round_size:
                 self._schedule(self.round_size)
-            elif len(self._buffer) >= lcm and len(self._inflight) < self.strategy.num_workers:
-                self._schedule(len(self._buffer) // lcm * lcm)
             else:
                 return
+
+    def _spread(self, steps, parts):
+        """Sends the first ``steps`` buffered batches as up to ``parts`` rounds
+        of whole ``round_steps`` (the last takes the rest): the coordinator
+        gives each to the next free worker, so that none waits while another
+        runs the steps of all."""
+        lcm = self.strategy.round_steps
+        parts = max(1, min(parts, steps // lcm))
+        share = -(-steps // parts)
+        share = -(-share // lcm) * lcm
+        while steps > 0:
+            size = min(share, steps)
+            self._schedule(size)
+            steps -= size
 
     def _schedule(self, steps, prefetch=True):
         """Sends the first ``steps`` buffered batches to a worker as one round."""
