@@ -320,7 +320,7 @@ class _Replicas:
 
     Every round saves its replica to the rows (a killed worker, and a
     backup, resume from them) and also keeps it on the worker
-    (:class:`_HeldReplica`): the worker's next round starts from that copy,
+    (``_round.WorkerCopy``): the worker's next round starts from that copy,
     so the replica and its optimizer state cross to the ps once per round
     instead of both ways.
     """
@@ -350,7 +350,7 @@ class _Replicas:
                             name="easgd_replica",
                         )
                     )
-        self.held = _HeldReplica(strategy, self.kept)
+        self.held = _round.WorkerCopy(strategy, self.kept, tf.int32)
 
     @_staleness.graph_code
     def load(self, worker):
@@ -455,42 +455,6 @@ class _Replicas:
     def _split(self, values):
         n = len(self.trainable)
         return values[:n], values[n:]
-
-
-class _HeldReplica:
-    """A worker's copy of its replica, kept in per-worker variables between rounds.
-
-    Lost with the worker (its next incarnation loads its row); ``born`` is
-    the generation it was saved in (-1: none).
-    """
-
-    def __init__(self, strategy, kept):
-        with strategy.scope():
-            self.values = [
-                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, per_worker_variable=True)
-                for v in kept
-            ]
-            self.since = tf.Variable(
-                tf.constant(0, tf.int32), trainable=False, per_worker_variable=True
-            )
-            self.born = tf.Variable(
-                tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
-            )
-
-    @_staleness.graph_code
-    def read(self):
-        """``(values, steps since the last exchange, generation)``."""
-        return (
-            [v.read_value() for v in self.values],
-            self.since.read_value(),
-            self.born.read_value(),
-        )
-
-    @_staleness.graph_code
-    def keep(self, values, since, generation):
-        """The writes that hold ``values`` for the worker's next round."""
-        writes = [v.assign(t) for v, t in zip(self.values, values)]
-        return writes + [self.since.assign(since), self.born.assign(generation)]
 
 
 def build_elastic_round(model, strategy, version, generation):

@@ -20,7 +20,7 @@ model's metric variables at the round's end. Round
 boundaries fall exactly where both a fetch and a push are due and the
 round's last push is applied before it ends: a lost worker loses only its
 unsent gradients. The round's last block fetches too, and the worker keeps
-those parameters (:class:`PrefetchedParams`) for its next round, which then
+those parameters (:class:`WorkerCopy`) for its next round, which then
 starts computing at once instead of waiting for a fetch that would cross
 alone; they hold while the server's weights are those of the same
 generation (``DownpourRuntime.fit_generation``: not across weights set
@@ -283,7 +283,8 @@ class DownpourRound:
             and self.server.fetch_is_a_read
             and self.bound.s is None
         ):
-            self.carry = PrefetchedParams(strategy, trainable, generation)
+            self.carry = WorkerCopy(strategy, trainable, tf.int64)
+        self.generation = generation
 
     @_staleness.graph_code
     def before_fetch(self, worker, slot):
@@ -342,14 +343,17 @@ class DownpourRound:
         or a fetch."""
         if self.carry is None:
             return (*self.first_fetch(worker, slot), tf.constant(False), [])
-        started_prefetched = tf.logical_and(self.carry.valid(), prefetch)
         # Read outside the cond: a per-worker variable is read where the
         # function binds it to the worker's copy.
-        held = self.carry.read()
+        held, version, born = self.carry.read()
+        valid = tf.equal(born, self.generation.read_value())
+        started_prefetched = tf.logical_and(valid, prefetch)
         params, fetched, fetches = tf.cond(
-            started_prefetched, lambda: held, lambda: self.first_fetch(worker, slot)
+            started_prefetched,
+            lambda: (held, version, tf.constant(0, tf.int64)),
+            lambda: self.first_fetch(worker, slot),
         )
-        return params, fetched, fetches, started_prefetched, [started_prefetched, held[1], *held[0]]
+        return params, fetched, fetches, started_prefetched, [started_prefetched, version, *held]
 
     def local_steps(self, batches, first, count, params, accum, metric_values):
         """Steps ``first..first+count`` of the round on ``params``; the
@@ -473,7 +477,9 @@ class DownpourRound:
         """Keeps the last block's fetch for the next round, when the last
         block fetched (a round of whole fetch blocks)."""
         kept = tf.logical_and(num_steps > 0, num_steps % self.n_fetch == 0)
-        return self.carry.keep(tf.logical_and(kept, prefetch), prefetched, version)
+        kept = tf.logical_and(kept, prefetch)
+        born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
+        return self.carry.keep(prefetched, version, born)
 
     @_staleness.graph_code
     def counters(self, worker, steps, counts, fetches, started_prefetched, staleness):
@@ -493,55 +499,41 @@ class DownpourRound:
         }
 
 
-class PrefetchedParams:
-    """The parameters a worker fetched for its next round, kept on the worker.
+class WorkerCopy:
+    """Values a worker keeps for its own next round, in per-worker variables.
 
-    DistBelief's replicas fetch in the background, round or no round. Here
-    the round's last block fetches the parameters once more while it
-    computes (after the round's second-last push is applied, as every
-    block's fetch), and the round keeps them in per-worker variables with
-    the generation they belong to; the worker's next round of the same
-    generation starts from them instead of from a fetch that would cross
-    alone, before any step can compute. They miss the round's last push and
-    whatever the server applied between the two rounds: that staleness is
-    measured like any other. A worker that is lost or restarted loses only
-    this copy (its next round fetches).
+    Downpour's round keeps the parameters its last block prefetched (tagged
+    with the server version they were read at), EASGD's its replica and
+    optimizer state (tagged with the steps since its last exchange). ``born``
+    is the generation they were kept in (-1: none): they hold only while the
+    server's weights are still that generation's
+    (``DownpourRuntime.fit_generation``). A worker that is lost or restarted
+    loses only this copy; its next round reads from the ``ps``.
     """
 
-    def __init__(self, strategy, trainable, generation):
-        self.generation = generation
-        with strategy.scope():
-            self.params = [
-                tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False, per_worker_variable=True)
-                for v in trainable
-            ]
-            self.version = tf.Variable(
-                tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
-            )
-            self.born = tf.Variable(
-                tf.constant(-1, tf.int64), trainable=False, per_worker_variable=True
-            )
+    def __init__(self, strategy, like, tag_dtype):
+        def per_worker(value):
+            return tf.Variable(value, trainable=False, per_worker_variable=True)
 
-    @_staleness.graph_code
-    def valid(self):
-        """Whether this worker holds parameters prefetched in the current generation."""
-        return tf.equal(self.born.read_value(), self.generation.read_value())
+        with strategy.scope():
+            self.values = [per_worker(tf.zeros(v.shape, v.dtype)) for v in like]
+            self.tag = per_worker(tf.constant(-1, tag_dtype))
+            self.born = per_worker(tf.constant(-1, tf.int64))
 
     @_staleness.graph_code
     def read(self):
-        """``(params, the server version they were read at, fetches: 0)``."""
+        """``(values, tag, born)``."""
         return (
-            [v.read_value() for v in self.params],
-            self.version.read_value(),
-            tf.constant(0, tf.int64),
+            [v.read_value() for v in self.values],
+            self.tag.read_value(),
+            self.born.read_value(),
         )
 
     @_staleness.graph_code
-    def keep(self, kept, params, version):
-        """The writes that keep ``params`` (read at ``version``) if ``kept``, else drop them."""
-        born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
-        writes = [v.assign(p) for v, p in zip(self.params, params)]
-        return writes + [self.version.assign(version), self.born.assign(born)]
+    def keep(self, values, tag, born):
+        """The writes that hold ``values`` and ``tag``, kept in generation ``born``."""
+        writes = [v.assign(t) for v, t in zip(self.values, values)]
+        return writes + [self.tag.assign(tag), self.born.assign(born)]
 
 
 @_staleness.graph_code
