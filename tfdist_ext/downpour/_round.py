@@ -475,7 +475,9 @@ class DownpourRound:
     @_staleness.graph_code
     def keep(self, num_steps, prefetch, prefetched, version):
         """Keeps the last block's fetch for the next round, when the last
-        block fetched (a round of whole fetch blocks)."""
+        block fetched (a round of whole fetch blocks). It misses the round's
+        last push and whatever the server applies before the next round:
+        that staleness is measured like any other."""
         kept = tf.logical_and(num_steps > 0, num_steps % self.n_fetch == 0)
         kept = tf.logical_and(kept, prefetch)
         born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
