@@ -174,19 +174,33 @@ def _timed_fit(keras, model, train, cfg, steps, cpu_pids, test):
 # --- asynchronous: this process is the chief ---------------------------------------
 
 
+def without_autotune(tf, ds):
+    """``ds`` with tf.data's autotuning off, for every system alike.
+
+    These pipelines have nothing to tune, and deleting an autotuned iterator
+    (Keras does at each ``fit``'s end) can block for up to the tuner's
+    period, 10-20 s into a run, when the CPU is contended: the tuner's
+    thread misses the cancel's wake-up (reproduced in plain TensorFlow, see
+    NOTES.md). Left on, that stall made one run in three to five ~18 s slower.
+    """
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.with_options(options)
+
+
 def _async_input(tf, keras, cfg, x, y):
     """Training input: Downpour's chief reads one dataset and sends its batches;
     the peer gives each worker its own shard (TensorFlow's PSS tutorial)."""
     seed = cfg["seed"]
     if cfg["system"] in OURS:
         ds = tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=seed)
-        return ds.batch(BATCH, drop_remainder=True).repeat()
+        return without_autotune(tf, ds.batch(BATCH, drop_remainder=True).repeat())
 
     def dataset_fn(context):
         ds = tf.data.Dataset.from_tensor_slices((x, y))
         ds = ds.shard(context.num_input_pipelines, context.input_pipeline_id)
         ds = ds.shuffle(len(x), seed=seed).batch(BATCH, drop_remainder=True).repeat()
-        return ds.prefetch(2)
+        return without_autotune(tf, ds.prefetch(2))
 
     return keras.utils.experimental.DatasetCreator(dataset_fn)
 
@@ -294,7 +308,7 @@ def worker(cfg):
     strategy = _sync_strategy(tf, cfg)
     (x, y), (xt, yt) = data(cfg["case"], cfg["seed"])
     keras.utils.set_random_seed(cfg["seed"])
-    train = _harness.sharded_batches(tf, x, y, 2 * BATCH, cfg["seed"])
+    train = without_autotune(tf, _harness.sharded_batches(tf, x, y, 2 * BATCH, cfg["seed"]))
     with strategy.scope():
         model = _model(keras, cfg["case"], x.shape[1], LR, cfg.get("spe"))
     # The same examples per epoch as the asynchronous rows: each step trains

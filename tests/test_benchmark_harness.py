@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -245,6 +246,29 @@ def test_peers_link_bytes_count_both_ways_on_every_interface_but_loopback():
     eth = "  eth0: 1000 10 0 0 0 0 0 0 250 5 0 0 0 0 0 0\n"
     assert _peers_run.interface_bytes(header + lo + eth) == 1250
     assert _peers_run.interface_bytes(header + lo) is None  # 127.0.0.1: not measured
+
+
+@pytest.mark.parametrize("system", ["downpour", "easgd", "pss"])
+def test_peers_inputs_run_without_tf_data_autotuning(system):
+    # Deleting an autotuned iterator at fit's end can stall for seconds
+    # under CPU contention; every system's input is measured without it.
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks import _peers_run
+
+    keras = types.SimpleNamespace(
+        utils=types.SimpleNamespace(experimental=types.SimpleNamespace(DatasetCreator=lambda f: f))
+    )
+    x, y = np.zeros((8, 4), "float32"), np.zeros(8, "int64")
+    ds = _peers_run._async_input(tf, keras, {"system": system, "seed": 0}, x, y)
+    if callable(ds):  # the peer's per-worker dataset_fn
+        ds = ds(tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=0))
+    assert ds.options().autotune.enabled is False
+    sync = _peers_run.without_autotune(tf, _harness.sharded_batches(tf, x, y, 4, 0))
+    policy = sync.options().experimental_distribute.auto_shard_policy
+    assert sync.options().autotune.enabled is False
+    assert policy == tf.data.experimental.AutoShardPolicy.DATA
 
 
 def test_peers_plot_draws_the_committed_table(tmp_path):
