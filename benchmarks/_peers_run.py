@@ -178,10 +178,11 @@ def without_autotune(tf, ds):
     """``ds`` with tf.data's autotuning off, for every system alike.
 
     These pipelines have nothing to tune, and deleting an autotuned iterator
-    (Keras does at each ``fit``'s end) can block for up to the tuner's
-    period, 10-20 s into a run, when the CPU is contended: the tuner's
-    thread misses the cancel's wake-up (reproduced in plain TensorFlow, see
-    NOTES.md). Left on, that stall made one run in three to five ~18 s slower.
+    (Keras does at each ``fit``'s end) can block for the rest of the
+    tuner's sleep, a period that doubles towards a minute, when the CPU is
+    contended: the tuner's thread misses the cancel's wake-up (reproduced
+    in plain TensorFlow, see NOTES.md). Left on, that stall made one run in
+    three to five of a row 9-18 s slower.
     """
     options = tf.data.Options()
     options.autotune.enabled = False
