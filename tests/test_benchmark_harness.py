@@ -265,6 +265,15 @@ def test_peers_inputs_run_without_tf_data_autotuning(system):
     if callable(ds):  # the peer's per-worker dataset_fn
         ds = ds(tf.distribute.InputContext(num_input_pipelines=2, input_pipeline_id=0))
     assert ds.options().autotune.enabled is False
+
+
+def test_peers_synchronous_input_runs_without_autotuning_and_keeps_data_sharding():
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks import _peers_run
+
+    x, y = np.zeros((8, 4), "float32"), np.zeros(8, "int64")
     sync = _peers_run.without_autotune(tf, _harness.sharded_batches(tf, x, y, 4, 0))
     policy = sync.options().experimental_distribute.auto_shard_policy
     assert sync.options().autotune.enabled is False
