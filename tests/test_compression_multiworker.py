@@ -24,6 +24,8 @@ def check_workers(results, min_ratio):
     for other in results[1:]:  # replicas stayed in sync through the compressed exchange
         for a, b in zip(first["weights"], other["weights"]):
             assert a == pytest.approx(b, abs=1e-6)
+        # Keras logs the workers' mean: every worker's history is the same.
+        assert other["loss"] == first["loss"]
     assert first["loss"][-1] < first["loss"][0]
     assert min(first["ratio"]) >= min_ratio
     assert first["stats"]["wire_bytes"] > 0
@@ -52,6 +54,25 @@ def test_two_worker_processes_topk_error_feedback():
 )
 def test_two_worker_processes_other_families(name, kwargs, min_ratio):
     check_workers(train_workers(name, kwargs), min_ratio)
+
+
+@pytest.mark.timeout(240)
+def test_two_workers_reduce_a_steps_scalar_logs_in_one_collective_per_dtype():
+    """Keras 3 reduces each log of a step across the workers with a
+    collective of its own, one after another; the strategy's reduction gives
+    the same means with one per dtype of scalars (non-scalars as Keras)."""
+    results = run_workers("compressed_workers", "log_reduction", timeout=180, every=True)
+    for r in results:
+        assert r["strategy"]["logs"] == r["keras"]["logs"]
+        assert r["keras"]["logs"] == {
+            "loss": 1.5,
+            "accuracy": 0.125,
+            "seen": 15.0,
+            "per_class": 3.0,
+        }
+        # A vector's mean over axis 0 reduces its sum and its length: 2 each way.
+        assert r["keras"]["collectives"] == 3 + 2
+        assert r["strategy"]["collectives"] == 2 + 2  # float32, float64, the vector
 
 
 @pytest.mark.timeout(240)

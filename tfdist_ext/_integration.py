@@ -20,6 +20,13 @@ What we rely on, and why no public API does it:
 * ``Trainer._get_metrics_result_or_logs`` (called by ``fit`` right after each
   epoch's last batch) is wrapped the same way, so an asynchronous strategy can
   wait for the epoch's work before Keras reads the logs.
+* The trainer module's ``reduce_per_replica`` (how Keras's step function
+  reduces a step's logs over the replicas) is routed to the strategy when it
+  defines ``_tfdist_reduce_per_replica`` (:func:`install_trainer_hooks`):
+  under a multi-worker strategy Keras reduces every log with a collective of
+  its own, and the synchronous strategy reduces them in one;
+  ``CollectiveAllReduceExtended._in_multi_worker_mode`` tells it when Keras
+  would reduce across workers at all.
 * ``TFOptimizer._all_reduce_sum_gradients`` (where Keras sums gradients over
   replicas) and the optimizer's ``build`` are routed to the strategy when it
   defines ``_tfdist_all_reduce_sum_gradients`` / ``_tfdist_build_optimizer``
@@ -210,6 +217,15 @@ if TensorFlowTrainer is not None:
     _check(TensorFlowTrainer, "get_metrics_result")
     _check(TensorFlowTrainer, "_maybe_symbolic_build", params=("iterator", "data_batch"))
     _check_source(TensorFlowTrainer._maybe_symbolic_build, "for _, _, it in iterator:")
+    # The step functions call the module's function by name: replacing it there reaches them.
+    _check_source(TensorFlowTrainer._make_function, "outputs = reduce_per_replica(")
+(keras_reduce_per_replica,) = _import("keras.src.backend.tensorflow.trainer", "reduce_per_replica")
+if keras_reduce_per_replica is not None:
+    _check(
+        importlib.import_module(keras_reduce_per_replica.__module__),
+        "reduce_per_replica",
+        params=("values", "strategy", "reduction"),
+    )
 (PyDatasetEnqueuer,) = _import(
     "keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetEnqueuer"
 )
@@ -481,6 +497,7 @@ if collective_ops is not None:
     )
 if CollectiveAllReduceExtended is not None:
     _check_sets(CollectiveAllReduceExtended, "_initialize_multi_worker", "_cross_device_ops")
+    _check(CollectiveAllReduceExtended, "_in_multi_worker_mode")
     _check(
         CollectiveAllReduceExtended,
         "_reduce_to",
@@ -821,7 +838,34 @@ def install_trainer_hooks():
 
         TensorFlowTrainer._get_metrics_result_or_logs = _get_metrics_result_or_logs
         _wrap_symbolic_build()
+        _wrap_log_reduction()
         _TRAINER_HOOKED = True
+
+
+def _wrap_log_reduction():
+    """Keras's step functions reduce a step's logs with the trainer module's
+    ``reduce_per_replica``; a strategy that defines
+    ``_tfdist_reduce_per_replica(values, reduction, keras_reduce)`` gets the
+    call, every other strategy Keras's own."""
+    module = importlib.import_module(keras_reduce_per_replica.__module__)
+    original = module.reduce_per_replica
+
+    # Not functools.wraps: autograph would find Keras's source through
+    # ``__wrapped__`` and convert that instead of this function.
+    @tf.autograph.experimental.do_not_convert
+    def reduce_per_replica(values, strategy, reduction):
+        handler = getattr(strategy, "_tfdist_reduce_per_replica", None)
+        if handler is not None:
+            return handler(values, reduction, original)
+        return original(values, strategy, reduction)
+
+    module.reduce_per_replica = reduce_per_replica
+
+
+def in_multi_worker_mode(strategy):
+    """Whether a collective strategy spans several workers (Keras's test for
+    reducing a step's logs across them)."""
+    return strategy.extended._in_multi_worker_mode()
 
 
 def _wrap_symbolic_build():

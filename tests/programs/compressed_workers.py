@@ -7,6 +7,7 @@ prints its own ``RESULT``, for ``tests/test_compression_multiworker.py``
 and ``tests/test_netns.py`` to compare across workers.
 """
 
+import importlib
 import json
 import os
 import sys
@@ -16,6 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tests.programs import report
+from tfdist_ext import _integration
 from tfdist_ext import compression as C
 from tfdist_ext import datasets
 from tfdist_ext.callbacks._compression import CompressionLogger
@@ -92,6 +94,32 @@ def ring_sum(pack):
     )
 
 
+def log_reduction():
+    """A step's logs, different on each worker, reduced by Keras's own
+    ``reduce_per_replica`` and by the function Keras's step functions call
+    (the strategy's): both results and the collective reductions each traces."""
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    strategy = C.MultiWorkerMirroredStrategy()
+    logs = {
+        "loss": tf.constant(1.0 + task),
+        "accuracy": tf.constant(0.25 * task),
+        "seen": tf.constant(10.0 * (task + 1), tf.float64),
+        "per_class": tf.constant([1.0, 3.0]) * (task + 1),
+    }
+    keras_reduce = _integration.keras_reduce_per_replica
+    step_reduce = importlib.import_module(keras_reduce.__module__).reduce_per_replica
+    out = {}
+    for name, reduce in (("keras", keras_reduce), ("strategy", step_reduce)):
+        function = tf.function(lambda reduce=reduce: reduce(logs, strategy, "auto"))
+        values = function()
+        graph = function.get_concrete_function().graph
+        out[name] = {
+            "logs": {k: np.asarray(v).tolist() for k, v in values.items()},
+            "collectives": sum(op.type == "CollectiveReduceV2" for op in graph.get_operations()),
+        }
+    report(out)
+
+
 def fp16_regression():
     """3 epochs of a linear regression whose all-reduce sends fp16: the task,
     its losses and kernel."""
@@ -114,7 +142,7 @@ def fp16_regression():
     )
 
 
-CASES = {fn.__name__: fn for fn in (train, ring_sum, fp16_regression)}
+CASES = {fn.__name__: fn for fn in (train, ring_sum, log_reduction, fp16_regression)}
 
 
 def main(argv):

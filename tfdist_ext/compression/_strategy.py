@@ -17,8 +17,10 @@ trip, and they run one after another. A compressor whose wire can be summed
 ``exchange`` method instead, which sums lists of tensors in batched
 all-reduces (one collective per list). Across workers that all-reduce is
 TensorFlow's ring, subdivided so that its chunks pipeline
-(``_integration.pipelined_all_sum``). Every other reduction (metrics, sync
-batch-norm, user code) is left dense.
+(``_integration.pipelined_all_sum``). Across workers a step's scalar logs
+(Keras reduces each with a collective of its own) are reduced together, one
+collective per dtype (``MultiWorkerMirroredStrategy._tfdist_reduce_per_replica``).
+Every other reduction (sync batch-norm, user code) is left dense.
 
 ``model.fit`` under these strategies also tells a compressor that follows
 epochs (DGC's warm-up without ``steps_per_epoch``) which epoch is running:
@@ -604,6 +606,33 @@ class MultiWorkerMirroredStrategy(_CompressedExchange, tf.distribute.MultiWorker
         return _integration.pipelined_all_sum(
             self.extended, self._local_replica_index(), list(tensors)
         )
+
+    def _tfdist_reduce_per_replica(self, values, reduction, keras_reduce):
+        """A step's logs, reduced over the workers as Keras reduces them, with
+        one collective for the scalars of each dtype.
+
+        Keras 3 gives every log (the loss, each metric) a ``strategy.reduce``
+        of its own under a multi-worker strategy: a collective each, launched
+        one after another behind the gradients'. Stacked, their means are
+        the same numbers in one round trip. Anything else (non-scalar logs,
+        other reductions) goes to Keras as it is.
+        """
+        if reduction not in ("auto", "mean") or not _integration.in_multi_worker_mode(self):
+            return keras_reduce(values, self, reduction)
+        leaves = tf.nest.flatten(values)
+        scalars = {}
+        out = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, tf.Tensor) and leaf.shape.rank == 0:
+                scalars.setdefault(leaf.dtype, []).append(i)
+                out.append(None)
+            else:
+                out.append(keras_reduce(leaf, self, reduction))
+        for indices in scalars.values():
+            mean = self.reduce("MEAN", tf.stack([leaves[i] for i in indices]), axis=None)
+            for i, value in zip(indices, tf.unstack(mean, num=len(indices))):
+                out[i] = value
+        return tf.nest.pack_sequence_as(values, out)
 
     def reduce(self, reduce_op, value, axis):
         # Keras 3 reduces scalar per-replica logs with ``axis=0`` under
