@@ -219,12 +219,9 @@ if TensorFlowTrainer is not None:
     _check_source(TensorFlowTrainer._maybe_symbolic_build, "for _, _, it in iterator:")
     # The step functions call the module's function by name: replacing it there reaches them.
     _check_source(TensorFlowTrainer._make_function, "outputs = reduce_per_replica(")
-(keras_reduce_per_replica,) = _import("keras.src.backend.tensorflow.trainer", "reduce_per_replica")
-if keras_reduce_per_replica is not None:
-    _check(
-        importlib.import_module(keras_reduce_per_replica.__module__),
-        "reduce_per_replica",
-        params=("values", "strategy", "reduction"),
+    _keras_trainer_module = importlib.import_module(TensorFlowTrainer.__module__)
+    keras_reduce_per_replica = _check(
+        _keras_trainer_module, "reduce_per_replica", params=("values", "strategy", "reduction")
     )
 (PyDatasetEnqueuer,) = _import(
     "keras.src.trainers.data_adapters.py_dataset_adapter", "PyDatasetEnqueuer"
@@ -847,8 +844,7 @@ def _wrap_log_reduction():
     ``reduce_per_replica``; a strategy that defines
     ``_tfdist_reduce_per_replica(values, reduction, keras_reduce)`` gets the
     call, every other strategy Keras's own."""
-    module = importlib.import_module(keras_reduce_per_replica.__module__)
-    original = module.reduce_per_replica
+    original = keras_reduce_per_replica
 
     # Not functools.wraps: autograph would find Keras's source through
     # ``__wrapped__`` and convert that instead of this function.
@@ -859,7 +855,7 @@ def _wrap_log_reduction():
             return handler(values, reduction, original)
         return original(values, strategy, reduction)
 
-    module.reduce_per_replica = reduce_per_replica
+    _keras_trainer_module.reduce_per_replica = reduce_per_replica
 
 
 def in_multi_worker_mode(strategy):
