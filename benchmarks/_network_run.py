@@ -385,7 +385,11 @@ def downpour(cfg):
         intra_op_threads=1,
     ).start()
     try:
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"])
+        # The background fetch: on these links a fetch is slow next to compute,
+        # the case it is for (the default fetches after the worker's own push).
+        strategy = tfdist_ext.DownpourStrategy(
+            cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"], background_fetch=True
+        )
         (x, y), (xt, yt) = _data(cfg["seed"])
         keras.utils.set_random_seed(cfg["seed"])
         train_data = (

@@ -212,11 +212,9 @@ def _async_strategy(tf, cfg, cluster):
 
         if cfg["system"] == "easgd":
             return tfdist_ext.ElasticAveragingStrategy(cluster.resolver, tau=cfg["n"])
+        fetch = {"background_fetch": cfg["background_fetch"]} if "background_fetch" in cfg else {}
         return tfdist_ext.DownpourStrategy(
-            cluster.resolver,
-            n_fetch=cfg["n"],
-            n_push=cfg["n"],
-            background_fetch=cfg.get("background_fetch", True),
+            cluster.resolver, n_fetch=cfg["n"], n_push=cfg["n"], **fetch
         )
     return tf.distribute.ParameterServerStrategy(cluster.resolver)
 

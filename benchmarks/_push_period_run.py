@@ -45,7 +45,7 @@ def downpour(cfg):
             cluster.resolver,
             n_fetch=k,
             n_push=k,
-            background_fetch=cfg.get("background_fetch", True),
+            background_fetch=cfg["background_fetch"],
         )
         with strategy.scope():
             model = _model(keras, "digits", x.shape[1], LR, None)

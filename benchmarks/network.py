@@ -8,8 +8,8 @@ Every run is its own process (``benchmarks/_network_run.py``) on a fresh
 * ``CompressedMultiWorkerMirroredStrategy`` (2 SPMD worker processes): dense,
   fp16, DGC 99.9% and PowerSGD rank 2: median step time and training seconds
   until the dense run's final held-out accuracy.
-* ``DownpourStrategy`` (2 workers, n_fetch = n_push = n, 1 or 2 ps shards):
-  examples/s and training seconds to the same target, against the synchronous
+* ``DownpourStrategy`` (2 workers, n_fetch = n_push = n, 1 or 2 ps shards,
+  ``background_fetch=True``: fetches hide behind compute): examples/s and training seconds to the same target, against the synchronous
   dense run.
 * Per row, the ideal step: compute (measured on each worker, same step
   without communication, both workers at once) plus the bytes on the busiest

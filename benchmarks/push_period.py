@@ -9,9 +9,10 @@ This benchmark separates the two things k changes, on digits with the
 
 * **Downpour** (candidate), 1 and 2 workers, k = 1 and 5: held-out accuracy
   after each third of the examples, and the staleness it measured (in
-  updates). With one worker and the background fetch (the default) the
-  only staleness is the fetch that crosses while the worker's own last push
-  is applied; with ``background_fetch=False`` ("after push") there is none.
+  updates). With one worker and ``background_fetch=True`` the only
+  staleness is the fetch that crosses while the worker's own last push is
+  applied; with ``background_fetch=False`` ("after push", the default)
+  there is none.
 * **One Keras process** (peer: the same updates with no cluster), updates
   of k batches whose gradients are computed on the weights of d = 0, 1, 2
   updates before: the larger updates alone (d = 0) and the staleness alone.

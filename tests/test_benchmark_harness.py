@@ -143,7 +143,7 @@ def test_committed_peers_table_in_the_readme_is_the_json_s():
     with open(_harness.README) as f:
         assert table in f.read()
     # README_LEAVES_OUT: the settings the "best of each" rows stand for.
-    assert "spe 50" not in table and "after push" not in table
+    assert "spe 50" not in table and "background fetch" not in table
     assert "best of each" in table
 
 
@@ -334,13 +334,13 @@ def test_peers_best_of_each_is_each_sides_fastest_to_the_same_accuracy():
     runs = {
         # More examples/s, less accuracy: slower to the 0.3 both reach.
         "downpour-n1": [_run_result(200.0, 0.3, 1.0)],
-        "downpour-n1-after-push": [_run_result(150.0, 0.5, 1.0)],
+        "downpour-n1-background": [_run_result(150.0, 0.5, 1.0)],
         "tf_keras-pss": [_run_result(100.0, 0.4, 2.0)],
         "tf_keras-pss-spe50": [_run_result(90.0, 0.4, 1.5)],
     }
     rows = {r[2]: r for r in peers._rows("synthetic", "100mbit", runs)}
     best = rows["async, best of each"]
-    assert best[3:5] == ["downpour-n1-after-push", "tf_keras-pss-spe50"]
+    assert best[3:5] == ["downpour-n1-background", "tf_keras-pss-spe50"]
     assert best[7] == pytest.approx(150.0 / 90.0)
 
 

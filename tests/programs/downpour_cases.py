@@ -146,18 +146,19 @@ def fit_evaluate_predict_save(directory):
 
 
 def n_fetch_n_push_traffic():
-    """Four fits of 80 steps on 2 workers, each with its own n and optimizer."""
+    """Four fits of 80 steps on 2 workers, each with its own n, optimizer and fetch."""
     keras.utils.set_random_seed(1)
     out = {}
     with LocalCluster(num_workers=2, num_ps=1) as cluster:
         strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
-        for n, opt in (
-            (1, keras.optimizers.Adagrad(0.05)),
-            (5, keras.optimizers.SGD(0.02, momentum=0.9)),
-            (4, keras.optimizers.Adam(0.005)),
-            (2, keras.optimizers.SGD(0.1)),
+        for n, opt, background in (
+            (1, keras.optimizers.Adagrad(0.05), False),
+            (5, keras.optimizers.SGD(0.02, momentum=0.9), True),
+            (4, keras.optimizers.Adam(0.005), False),
+            (2, keras.optimizers.SGD(0.1), True),
         ):
             strategy.n_fetch = strategy.n_push = n
+            strategy.background_fetch = background
             strategy.stats.reset()
             with strategy.scope():
                 model = compiled(mlp(), opt)

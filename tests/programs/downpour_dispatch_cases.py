@@ -62,7 +62,8 @@ def many_steps_per_dispatch():
     keras.utils.set_random_seed(0)
     out = {}
     with LocalCluster(num_workers=1, num_ps=1) as cluster:
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+        # The background fetch: a round's last block fetches the next round's parameters.
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, background_fetch=True)
         sizes = count_rounds(strategy)
         for name, n, spe in (
             ("default-n1", 1, 1),
@@ -163,7 +164,8 @@ def overlapped_push_and_fetch():
     keras.utils.set_random_seed(0)
     out = {}
     with LocalCluster(num_workers=1, num_ps=1) as cluster:
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver)
+        # The background fetch: a round's last block fetches the next round's parameters.
+        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, background_fetch=True)
         sizes = count_rounds(strategy)
         for n_fetch, n_push in ((1, 1), (2, 3), (4, 2)):
             strategy.n_fetch, strategy.n_push = n_fetch, n_push
@@ -202,7 +204,9 @@ def prefetched_until_weights_are_set():
     """One worker, 2 ps (the hidden kernel split), five fits of 2 epochs of 60
     steps; weights set before the third and at the fifth's second epoch."""
     with LocalCluster(num_workers=1, num_ps=2) as cluster:
-        strategy = tfdist_ext.DownpourStrategy(cluster.resolver, min_shard_bytes=1024)
+        strategy = tfdist_ext.DownpourStrategy(
+            cluster.resolver, min_shard_bytes=1024, background_fetch=True
+        )
         data = digits_train()
         with strategy.scope():
             model = keras.Sequential(

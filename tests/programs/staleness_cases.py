@@ -128,7 +128,11 @@ def known_staleness(policy, path):
     make_policy, make_optimizer, custom_step = POLICIES[policy]
     with LocalCluster(num_workers=1, num_ps=1) as cluster:
         strategy = tfdist_ext.DownpourStrategy(
-            cluster.resolver, n_fetch=4, n_push=1, staleness_policy=make_policy()
+            cluster.resolver,
+            n_fetch=4,
+            n_push=1,
+            staleness_policy=make_policy(),
+            background_fetch=True,  # rounds start from prefetched parameters
         )
         with strategy.scope():
             model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
@@ -163,7 +167,9 @@ def delay_compensated_rounds(*configs):
     out = []
     with LocalCluster(num_workers=1, num_ps=1) as cluster:
         strategy = tfdist_ext.DownpourStrategy(
-            cluster.resolver, staleness_policy=DelayCompensation(lam=2.0)
+            cluster.resolver,
+            staleness_policy=DelayCompensation(lam=2.0),
+            background_fetch=True,  # the overlap the test's NumPy round follows
         )
         for config in configs:
             strategy.n_fetch, strategy.n_push = map(int, config.split(","))

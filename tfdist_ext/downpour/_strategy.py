@@ -49,12 +49,13 @@ class DownpourStrategy(ParameterServerBase):
       staleness_policy: ``None``, ``tfdist_ext.downpour.StalenessAwareLR()``
         or ``tfdist_ext.downpour.DelayCompensation(lam)``.
       max_staleness: ``None`` or ``s >= 0``: stale synchronous parallel.
-      background_fetch: fetch the next parameters while a block of steps
-        computes (DistBelief's background fetch), so that fetches hide behind
-        compute, at one push of staleness: the replica computes without its
-        own last push. ``False``: each fetch follows the replica's own last
-        push, as in ``ParameterServerStrategy``; on links that are not
-        saturated, as fast, and early training under Adam loses much less.
+      background_fetch: ``False`` (the default): each fetch follows the
+        replica's own last push, as the steps of ``ParameterServerStrategy``
+        read; one worker takes exactly Keras's sequential steps. ``True``:
+        fetch the next parameters while a block of steps computes
+        (DistBelief's background fetch), so that fetches hide behind
+        compute, at one push of staleness (the replica computes without its
+        own last push): for links slow next to compute.
 
     Example:
       >>> with tfdist_ext.LocalCluster(num_workers=2, num_ps=1) as cluster:  # doctest: +SKIP
@@ -81,7 +82,7 @@ class DownpourStrategy(ParameterServerBase):
         model_devices=None,
         staleness_policy=None,
         max_staleness=None,
-        background_fetch=True,
+        background_fetch=False,
     ):
         self.n_fetch = n_fetch
         self.background_fetch = background_fetch
