@@ -10,22 +10,24 @@ ops run on the ``ps`` task that owns each variable; a push or a fetch moves
 one tensor per ``ps`` task. The steps run in blocks of ``gcd(n_fetch,
 n_push)``, an inner loop of the worker's own ops (a loop with ``ps`` ops
 in it makes every ``ps`` task take part in each of its iterations). While a
-block computes, the previous block's push is applied and the parameters for
-the next fetch point are read after it (DistBelief's background push and
-fetch; one push of staleness, measured). The parameters are read on the
-``ps`` tasks in every block and cross only when a fetch is due, in a cond
-of no stateful op: the next block's push, checked on the worker, crosses
-while they do. The metrics accumulate on a local copy too, added to the
-model's metric variables at the round's end. Round
-boundaries fall exactly where both a fetch and a push are due and the
-round's last push is applied before it ends: a lost worker loses only its
-unsent gradients. The round's last block fetches too, and the worker keeps
-those parameters (:class:`WorkerCopy`) for its next round, which then
-starts computing at once instead of waiting for a fetch that would cross
-alone; they hold while the server's weights are those of the same
-generation (``DownpourRuntime.fit_generation``: not across weights set
-between epochs or ``fit`` calls). Not where a fetch leaves state on the server that
-must stay in step with the pushes (``DelayCompensation``'s backup slots,
+block computes, the previous block's push is applied; a block that fetches
+reads once that push is applied (by default), or, with
+``background_fetch``, reads the parameters for the next fetch point while
+the block computes (DistBelief's background fetch; one push of staleness,
+measured). The parameters are read on the ``ps`` tasks in every block and
+cross only when a fetch is due, in a cond of no stateful op: the next
+block's push, checked on the worker, crosses while they do. The metrics
+accumulate on a local copy too, added to the model's metric variables at
+the round's end. Round boundaries fall exactly where both a fetch and a
+push are due and the round's last push is applied before it ends: a lost
+worker loses only its unsent gradients. With the background fetch the
+round's last block fetches too, and the worker keeps those parameters
+(:class:`WorkerCopy`) for its next round, which then starts computing at
+once instead of waiting for a fetch that would cross alone; they hold
+while the server's weights are those of the same generation
+(``DownpourRuntime.fit_generation``: not across weights set between
+epochs or ``fit`` calls). Not where a fetch leaves state on the server
+that must stay in step with the pushes (``DelayCompensation``'s backup slots,
 ``max_staleness``'s clocks), nor for a user's ``train_step`` (it reads the
 server's variables itself), nor in warmstart.
 
