@@ -9,8 +9,8 @@ Every run is its own process (``benchmarks/_network_run.py``) on a fresh
   fp16, DGC 99.9% and PowerSGD rank 2: median step time and training seconds
   until the dense run's final held-out accuracy.
 * ``DownpourStrategy`` (2 workers, n_fetch = n_push = n, 1 or 2 ps shards,
-  ``background_fetch=True``: fetches hide behind compute): examples/s and training seconds to the same target, against the synchronous
-  dense run.
+  ``background_fetch=True``: fetches hide behind compute): examples/s and
+  training seconds to the same target, against the synchronous dense run.
 * Per row, the ideal step: compute (measured on each worker, same step
   without communication, both workers at once) plus the bytes on the busiest
   link (the larger direction of the veth counters of every task's namespace;

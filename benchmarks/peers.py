@@ -6,7 +6,8 @@ batch (64 per worker step), threads and cluster shape:
 
 * asynchronous: ``tfdist_ext.DownpourStrategy`` (n_fetch = n_push = 1; its
   default rounds, and ``steps_per_execution=50``; each with its default
-  fetch, after the worker's own last push, and with ``background_fetch=True``) against
+  fetch, after the worker's own last push, and with
+  ``background_fetch=True``) against
   ``tf.distribute.ParameterServerStrategy`` with ``tf_keras`` ``model.fit``
   (``steps_per_execution`` 1 and 50, each worker reading its own shard of
   the data as in TensorFlow's tutorial); 2 workers and 1 ps, plain

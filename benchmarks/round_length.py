@@ -10,10 +10,9 @@ measured question. This benchmark measures it: 2 workers, the ``network``
 benchmark's 10M-parameter MLP at 100 Mbit/s, n_fetch = n_push = 5, 1 and 2
 ``ps`` shards, rounds of b = 1, 2, 4, 8 and 16 blocks, each run as the
 ``network`` benchmark runs Downpour (``benchmarks/_network_run.py``, with
-the background fetch: one
-``fit`` a chunk of four rounds, two a worker, after an untimed ``fit`` of
-two rounds). One run per point; runs alternate between the shard counts, b
-ascending. Each point is set beside its ideal, as ``network`` computes it
+the background fetch: one ``fit`` a chunk of four rounds, two a worker,
+after an untimed ``fit`` of two rounds). One run per point; runs
+alternate between the shard counts, b ascending. Each point is set beside its ideal, as ``network`` computes it
 (half the compute of a step, both workers computing at once, plus the
 busiest link's bytes at the link rate), with the compute timed once in its
 own process on one thread.
