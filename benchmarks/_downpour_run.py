@@ -214,32 +214,13 @@ def throughput(cfg):
     return out
 
 
-def profile(cfg):
-    """Medians of the parts of a Downpour round (1 worker, 1 ps, MLP, batch 64).
-
-    Each part is scheduled ``repeats`` times through the coordinator and
-    timed on the chief: an empty function (the dispatch), a fetch of every
-    parameter, a push of a zero gradient with the compiled Adagrad, and
-    whole rounds of ``steps`` local steps; plus the CPU seconds each task
-    process used per step during the rounds (from ``/proc``).
-    """
-    import keras
-    import numpy as np
+def _round_parts(strategy, model):
+    """The parts of a round as functions to schedule: ``(empty, fetch, push_zero)``."""
     import tensorflow as tf
 
-    from tfdist_ext import datasets
     from tfdist_ext.downpour import _round
     from tfdist_ext.downpour import _staleness
 
-    strategy, cluster = _strategy(dict(cfg, system="downpour", workers=1))
-    keras.utils.set_random_seed(cfg["seed"])
-    batch, steps, repeats = 64, cfg.get("steps", 50), cfg.get("repeats", 15)
-    train = datasets.synthetic(batch * 32, input_shape=(784,), seed=cfg["seed"])
-    train = train.batch(batch).repeat()
-    with strategy.scope():
-        model = _compile(keras, _mlp(keras, 784, 512), 0.01)
-    model.fit(train, epochs=1, steps_per_epoch=2 * steps, verbose=0)  # traces the round
-    coordinator = strategy.coordinator
     trainable = model.trainable_variables
 
     @tf.function
@@ -270,35 +251,61 @@ def profile(cfg):
         accepted, _, _ = push(grads, [], zero, tf.constant(1, tf.int64), (0, zero, zero))
         return accepted
 
-    runtime = strategy._runtime
-    round_fn = runtime.round_for(model)
-    batches = _round.round_input(list(train.take(steps)))
+    return empty, fetch, push_zero
+
+
+def _cpu_shares(tasks, run):
+    """Each task's CPU seconds per wall second while ``run()`` runs; its result."""
+    before = {k: _cpu_seconds(v) for k, v in tasks.items()}
+    start = time.perf_counter()
+    result = run()
+    wall = time.perf_counter() - start
+    return {k: (_cpu_seconds(v) - before[k]) / wall for k, v in tasks.items()}, result
+
+
+def profile(cfg):
+    """Medians of the parts of a Downpour round (1 worker, 1 ps, MLP, batch 64).
+
+    Each part is scheduled ``repeats`` times through the coordinator and
+    timed on the chief: an empty function (the dispatch), a fetch of every
+    parameter, a push of a zero gradient with the compiled Adagrad, and
+    whole rounds of ``steps`` local steps; plus the CPU seconds each task
+    process used per step during the rounds (from ``/proc``).
+    """
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist_ext import datasets
+    from tfdist_ext.downpour import _round
+
+    strategy, cluster = _strategy(dict(cfg, system="downpour", workers=1))
+    keras.utils.set_random_seed(cfg["seed"])
+    batch, steps, repeats = 64, cfg.get("steps", 50), cfg.get("repeats", 15)
+    train = datasets.synthetic(batch * 32, input_shape=(784,), seed=cfg["seed"])
+    train = train.batch(batch).repeat()
+    with strategy.scope():
+        model = _compile(keras, _mlp(keras, 784, 512), 0.01)
+    model.fit(train, epochs=1, steps_per_epoch=2 * steps, verbose=0)  # traces the round
+    empty, fetch, push_zero = _round_parts(strategy, model)
 
     def timed(fn, args=()):
         out = []
         for _ in range(repeats):
             start = time.perf_counter()
-            coordinator.schedule(fn, args=args).fetch()
+            strategy.coordinator.schedule(fn, args=args).fetch()
             out.append(time.perf_counter() - start)
         return float(np.median(out)) * 1e3
 
-    out = {
-        "empty_ms": timed(empty),
-        "fetch_ms": timed(fetch),
-        "push_ms": timed(push_zero),
-    }
-    args = (batches, runtime.worker_index(), tf.constant(steps, tf.int32))
+    out = {"empty_ms": timed(empty), "fetch_ms": timed(fetch), "push_ms": timed(push_zero)}
     tasks = _tasks(cluster)
-    before = {k: _cpu_seconds(v) for k, v in tasks.items()}
-    time.sleep(2.0)
-    out["idle_cpu_share_per_task"] = {
-        k: (_cpu_seconds(v) - before[k]) / 2.0 for k, v in tasks.items()
-    }
-    before = {k: _cpu_seconds(v) for k, v in tasks.items()}
-    start = time.perf_counter()
-    out[f"round_{steps}_ms_per_step"] = timed(round_fn, args) / steps
-    wall = time.perf_counter() - start
-    out["cpu_share_per_task"] = {k: (_cpu_seconds(v) - before[k]) / wall for k, v in tasks.items()}
+    out["idle_cpu_share_per_task"], _ = _cpu_shares(tasks, lambda: time.sleep(2.0))
+    runtime = strategy._runtime
+    round_fn = runtime.round_for(model)
+    batches = _round.round_input(list(train.take(steps)))
+    args = (batches, runtime.worker_index(), tf.constant(steps, tf.int32))
+    out["cpu_share_per_task"], round_ms = _cpu_shares(tasks, lambda: timed(round_fn, args))
+    out[f"round_{steps}_ms_per_step"] = round_ms / steps
     start = time.perf_counter()
     model.fit(train, epochs=1, steps_per_epoch=4 * steps, verbose=0)
     out["fit_ms_per_step"] = (time.perf_counter() - start) / (4 * steps) * 1e3

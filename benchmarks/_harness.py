@@ -96,6 +96,42 @@ def figure(case, system, metric, unit, samples, **extra):
     return out
 
 
+def reached(runs):
+    """The seconds each of ``runs`` took to its target, for those that reached it."""
+    return [r["seconds_to_target"] for r in runs if r["seconds_to_target"] is not None]
+
+
+def seconds_to_target_figure(case, system, runs, target, **extra):
+    """Seconds to ``target`` accuracy over ``runs`` (NaN if none reached it)."""
+    hit = reached(runs)
+    return figure(
+        case,
+        system,
+        "seconds_to_target",
+        "s",
+        hit or [float("nan")],
+        target_accuracy=target,
+        reached_in=f"{len(hit)}/{len(runs)}",
+        **extra,
+    )
+
+
+def staleness_figure(case, system, staleness, **extra):
+    """Pushes per staleness value over ``staleness``, one value per push."""
+    histogram = [0] * (max(staleness) + 1)
+    for value in staleness:
+        histogram[value] += 1
+    return {
+        "case": case,
+        "system": system,
+        "metric": "staleness_histogram",
+        "unit": "pushes per staleness value",
+        "median": median(staleness),
+        **extra,
+        "histogram": histogram,
+    }
+
+
 def sharded_batches(tf, x, y, global_batch, seed):
     """A synchronous run's training input: ``(x, y)`` shuffled, in global batches,
     repeated, and split by the strategy's auto-sharding by data, as each worker

@@ -105,85 +105,80 @@ def _plot(dataset, samples, quick):
     return path
 
 
-def run(quick=False, seed=0):
-    datasets = ("digits",) if quick else ("digits", "mnist1d")
-    figures, rows, notes, plots = [], [], [], []
-    for dataset in datasets:
-        samples = _interleave(_configs(dataset, quick, seed), 1)
-        target = samples[SYNC][0]["target"]
-        sync_final = _harness.median([r["final_accuracy"] for r in samples[SYNC]])
-        for name, runs in samples.items():
-            final = _harness.median([r["final_accuracy"] for r in runs])
-            hit = [r["seconds_to_target"] for r in runs if r["seconds_to_target"] is not None]
-            staleness = [s for r in runs for s in r.get("staleness", [])]
-            figures.append(
-                _harness.figure(
-                    dataset,
-                    name,
-                    "final_accuracy",
-                    "fraction",
-                    [r["final_accuracy"] for r in runs],
-                    curves=[r["curve"] for r in runs],
-                )
+def _system_figures(dataset, name, runs, target, staleness):
+    figures = [
+        _harness.figure(
+            dataset,
+            name,
+            "final_accuracy",
+            "fraction",
+            [r["final_accuracy"] for r in runs],
+            curves=[r["curve"] for r in runs],
+        ),
+        _harness.seconds_to_target_figure(dataset, name, runs, target),
+    ]
+    if staleness:
+        figures.append(
+            _harness.staleness_figure(
+                dataset,
+                name,
+                staleness,
+                mean=float(np.mean(staleness)),
+                steps_per_worker=[r["steps_per_worker"] for r in runs],
+                clock_leads=[r.get("clock_leads") for r in runs],
             )
-            figures.append(
-                _harness.figure(
-                    dataset,
-                    name,
-                    "seconds_to_target",
-                    "s",
-                    hit or [float("nan")],
-                    target_accuracy=target,
-                    reached_in=f"{len(hit)}/{len(runs)}",
-                )
-            )
-            if staleness:
-                figures.append(
-                    {
-                        "case": dataset,
-                        "system": name,
-                        "metric": "staleness_histogram",
-                        "unit": "pushes per staleness value",
-                        "median": float(np.median(staleness)),
-                        "mean": float(np.mean(staleness)),
-                        "histogram": np.bincount(staleness).tolist(),
-                        "steps_per_worker": [r["steps_per_worker"] for r in runs],
-                        "clock_leads": [r.get("clock_leads") for r in runs],
-                    }
-                )
-            rows.append(
-                [
-                    dataset,
-                    name,
-                    f"{final:.4f}",
-                    f"{100 * (final - sync_final):+.2f}",
-                    f"{_harness.median(hit):.1f}" if hit else f"not reached ({target})",
-                    f"{np.mean(staleness):.2f} / {max(staleness)}" if staleness else "-",
-                    ", ".join(
-                        f"w{k}: {v}" for k, v in sorted(runs[0].get("steps_per_worker", {}).items())
-                    )
-                    or "-",
-                ]
-            )
-        plots.append(_plot(dataset, samples, quick))
-    notes.append(
+        )
+    return figures
+
+
+def _dataset_section(dataset, quick, seed, figures, rows):
+    """Every system on ``dataset``, one interleaved run each; the runs."""
+    samples = _interleave(_configs(dataset, quick, seed), 1)
+    target = samples[SYNC][0]["target"]
+    sync_final = _harness.median([r["final_accuracy"] for r in samples[SYNC]])
+    for name, runs in samples.items():
+        final = _harness.median([r["final_accuracy"] for r in runs])
+        hit = _harness.reached(runs)
+        staleness = [s for r in runs for s in r.get("staleness", [])]
+        figures += _system_figures(dataset, name, runs, target, staleness)
+        per_worker = sorted(runs[0].get("steps_per_worker", {}).items())
+        rows.append(
+            [
+                dataset,
+                name,
+                f"{final:.4f}",
+                f"{100 * (final - sync_final):+.2f}",
+                f"{_harness.median(hit):.1f}" if hit else f"not reached ({target})",
+                f"{np.mean(staleness):.2f} / {max(staleness)}" if staleness else "-",
+                ", ".join(f"w{k}: {v}" for k, v in per_worker) or "-",
+            ]
+        )
+    return samples
+
+
+def _notes(seed, plots):
+    return [
         f"seed {seed}; one run per system (interleaved); 2 workers, worker 1 slowed "
         f"{SLOWDOWN}x by LocalCluster.throttle; n_fetch={N_FETCH}, n_push=1; SGD(0.1), "
         "MLP 256-256, batch 32 per worker (64 for the 2-replica synchronous peer); "
-        "20 warm-up steps (tracing) before the clock starts"
-    )
-    notes.append(
+        "20 warm-up steps (tracing) before the clock starts",
         f"DelayCompensation lam={LAM}; SSP max_staleness={MAX_STALENESS} (fetch blocks); "
         "the synchronous peer (MirroredStrategy, 2 logical CPUs, one process) is not "
-        "throttled"
-    )
-    notes.append(
+        "throttled",
         f"EASGD: ElasticAveragingStrategy(tau={N_FETCH}, alpha=0.45), SGD(0.1) locally; "
         "its staleness column counts the other replica's exchanges with the centre "
         "between two of this replica's; replicas restart from the centre at each fit "
-        "call (every 50 steps on digits, 100 on MNIST-1D)"
-    )
-    notes.append("staleness plots: " + ", ".join(os.path.relpath(p) for p in plots if p))
+        "call (every 50 steps on digits, 100 on MNIST-1D)",
+        "staleness plots: " + ", ".join(os.path.relpath(p) for p in plots if p),
+    ]
+
+
+def run(quick=False, seed=0):
+    datasets = ("digits",) if quick else ("digits", "mnist1d")
+    figures, rows, plots = [], [], []
+    for dataset in datasets:
+        samples = _dataset_section(dataset, quick, seed, figures, rows)
+        plots.append(_plot(dataset, samples, quick))
     return {
         "candidate": "tfdist_ext.DownpourStrategy with staleness corrections (LocalCluster)",
         "peer": f"plain Downpour; EASGD; synchronous all-reduce ({SYNC}: MirroredStrategy, 2 CPUs)",
@@ -200,5 +195,5 @@ def run(quick=False, seed=0):
             ],
             "rows": rows,
         },
-        "notes": notes,
+        "notes": _notes(seed, plots),
     }

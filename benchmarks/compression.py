@@ -224,22 +224,13 @@ def _throughput(tf, C, quick):
     return figures, table, sizes
 
 
-def run(quick=False, seed=0):
-    from tfdist_ext.cluster import logical_cpus
-
-    devices = logical_cpus(DEVICES)
-    import keras
-    import tensorflow as tf
-
-    from tfdist_ext import compression as C
-
-    seeds = tuple(seed + s for s in (SEEDS[:2] if quick else SEEDS))
+def _accuracy_section(tf, keras, C, devices, seeds, quick):
+    """Every compressor trained on each data set: ``(figures, {(data, name): runs})``."""
     figures, results = [], {}
     for data_name, spec in _datasets(quick).items():
         (x, _), _ = _data(data_name)
         steps = len(x) // spec["batch"]
-        warmup = WARMUP_EPOCHS
-        for name, (compressor, momentum, lr_factor) in _configs(C, steps, warmup).items():
+        for name, (compressor, momentum, lr_factor) in _configs(C, steps, WARMUP_EPOCHS).items():
             trainer = _Trainer(
                 tf, keras, C, devices, data_name, spec, compressor, momentum, lr_factor
             )
@@ -263,11 +254,12 @@ def run(quick=False, seed=0):
                 f" frac {statistics.mean(r['fraction'] for r in runs):.3f}",
                 flush=True,
             )
+    return figures, results
 
-    tput_figures, tput, sizes = _throughput(tf, C, quick)
-    figures += tput_figures
 
-    names = list(_configs(C, 1, 1))
+def _accuracy_rows(names, results, quick):
+    """One row per compressor: accuracy, its difference to dense and the
+    ratio on each data set, and the compression's share of the step."""
     rows = []
     for name in names:
         row = [name]
@@ -284,9 +276,66 @@ def run(quick=False, seed=0):
         fractions = [r["fraction"] for d in _datasets(quick) for r in results[(d, name)]]
         row.append(round(100 * statistics.mean(fractions), 2))
         rows.append(row)
+    return rows
+
+
+def _notes(seeds, spec):
+    return [
+        f"seeds {list(seeds)}; accuracy = held-out test accuracy after "
+        f"{spec['mnist1d']['epochs']} epochs on MNIST-1D and {spec['digits']['epochs']} on digits (MNIST-1D: 4000/1000, Conv1D CNN, global batch "
+        f"{spec['mnist1d']['batch']}; digits: 1347/450, Conv2D CNN, global batch "
+        f"{spec['digits']['batch']}), mean over seeds; Δ is against the dense peer.",
+        "One epoch per tf.function call (steps_per_execution = steps per epoch) for "
+        "every system. Schedule: SGD lr 0.05 with cosine decay to 0 over the run, momentum 0.9, "
+        "the same for every method except DGC with "
+        "momentum correction (momentum 0.9 lives in the compressor, optimizer momentum 0) "
+        "and signSGD (lr x0.01, since the majority vote has magnitude 1 per entry).",
+        f"DGC: sparsity 0.999, momentum 0.9, clip_norm 5, {WARMUP_EPOCHS} warm-up epochs as in "
+        "the paper (densities 25%, 6.25%, 1.56%, 0.39%) then 0.1%; the ratio column averages "
+        "over all epochs "
+        "including warm-up (the per-epoch ratio after warm-up is in the figures as "
+        "final_ratio).",
+        "ratio = dense float32 bytes / bytes of the wire tensors handed to all_gather "
+        "(counted per replica per step inside the training step), dense tensors included.",
+        f"Error-feedback rows (ef-*, onebit, ef-signsgd) and DGC rows send tensors of fewer "
+        f"than {MIN_SIZE} elements dense (min_size={MIN_SIZE}: biases, the first conv "
+        "kernel, the 640-entry output kernel), as DGC's reference implementation does. "
+        "(The earlier 'every tensor compressed/sparsified' rows, min_size=0, are left out "
+        "to keep the run time affordable; on the old 8/6-epoch schedule they were 31% "
+        "(EF-TopK) and 31% (DGC) on MNIST-1D.)",
+        f"Steps per run: {(4000 // spec['mnist1d']['batch']) * spec['mnist1d']['epochs']} "
+        f"(MNIST-1D) and {(1347 // spec['digits']['batch']) * spec['digits']['epochs']} "
+        "(digits), up from 250 / 126: at 99.9% a 14,336-entry kernel sends ~14 entries per "
+        "step, so DGC needs thousands of steps. Shorter schedules (1250-2000 MNIST-1D "
+        "steps) were measured too, in an earlier full run and pilots (see README).",
+        "compress % of step: tf.timestamp around the compression ops in the step, over the "
+        "epoch's wall time, median over epochs 2.., mean over seeds and both data sets.",
+        "The seeds of one method share one traced model: weights re-drawn from the seed, "
+        "optimizer slots/step and compressor state reset, data reshuffled with the seed.",
+        "Within one process the wire tensors cross logical CPU devices through "
+        "ReductionToOneDevice copies (no collectives: many strategies share the process); "
+        "across processes, tests/test_compression_multiworker.py runs the collective path.",
+        f"The machine ({os.cpu_count()} cores) is shared with other engineers' TensorFlow "
+        "jobs; seconds and MB/s are noisy (medians of interleaved repeats for MB/s).",
+    ]
+
+
+def run(quick=False, seed=0):
+    from tfdist_ext.cluster import logical_cpus
+
+    devices = logical_cpus(DEVICES)
+    import keras
+    import tensorflow as tf
+
+    from tfdist_ext import compression as C
+
+    seeds = tuple(seed + s for s in (SEEDS[:2] if quick else SEEDS))
+    figures, results = _accuracy_section(tf, keras, C, devices, seeds, quick)
+    tput_figures, tput, sizes = _throughput(tf, C, quick)
+    figures += tput_figures
+    rows = _accuracy_rows(list(_configs(C, 1, 1)), results, quick)
     tput_rows = [[name] + [round(tput[name][n], 1) for n in sizes] for name in tput]
     ds = list(_datasets(quick))
-    spec = _datasets(quick)
     return {
         "candidate": "tfdist_ext.CompressedMirroredStrategy (2 logical CPU devices), each compressor",
         "peer": "tf.distribute.MirroredStrategy dense all-reduce, same model, schedule and seeds",
@@ -301,42 +350,5 @@ def run(quick=False, seed=0):
             "columns": ["compressor"] + [f"{n:.0e} el. MB/s" for n in sizes],
             "rows": tput_rows,
         },
-        "notes": [
-            f"seeds {list(seeds)}; accuracy = held-out test accuracy after "
-            f"{spec['mnist1d']['epochs']} epochs on MNIST-1D and {spec['digits']['epochs']} on digits (MNIST-1D: 4000/1000, Conv1D CNN, global batch "
-            f"{spec['mnist1d']['batch']}; digits: 1347/450, Conv2D CNN, global batch "
-            f"{spec['digits']['batch']}), mean over seeds; Δ is against the dense peer.",
-            "One epoch per tf.function call (steps_per_execution = steps per epoch) for "
-            "every system. Schedule: SGD lr 0.05 with cosine decay to 0 over the run, momentum 0.9, "
-            "the same for every method except DGC with "
-            "momentum correction (momentum 0.9 lives in the compressor, optimizer momentum 0) "
-            "and signSGD (lr x0.01, since the majority vote has magnitude 1 per entry).",
-            f"DGC: sparsity 0.999, momentum 0.9, clip_norm 5, {WARMUP_EPOCHS} warm-up epochs as in "
-            "the paper (densities 25%, 6.25%, 1.56%, 0.39%) then 0.1%; the ratio column averages "
-            "over all epochs "
-            "including warm-up (the per-epoch ratio after warm-up is in the figures as "
-            "final_ratio).",
-            "ratio = dense float32 bytes / bytes of the wire tensors handed to all_gather "
-            "(counted per replica per step inside the training step), dense tensors included.",
-            f"Error-feedback rows (ef-*, onebit, ef-signsgd) and DGC rows send tensors of fewer "
-            f"than {MIN_SIZE} elements dense (min_size={MIN_SIZE}: biases, the first conv "
-            "kernel, the 640-entry output kernel), as DGC's reference implementation does. "
-            "(The earlier 'every tensor compressed/sparsified' rows, min_size=0, are left out "
-            "to keep the run time affordable; on the old 8/6-epoch schedule they were 31% "
-            "(EF-TopK) and 31% (DGC) on MNIST-1D.)",
-            f"Steps per run: {(4000 // spec['mnist1d']['batch']) * spec['mnist1d']['epochs']} "
-            f"(MNIST-1D) and {(1347 // spec['digits']['batch']) * spec['digits']['epochs']} "
-            "(digits), up from 250 / 126: at 99.9% a 14,336-entry kernel sends ~14 entries per "
-            "step, so DGC needs thousands of steps. Shorter schedules (1250-2000 MNIST-1D "
-            "steps) were measured too, in an earlier full run and pilots (see README).",
-            "compress % of step: tf.timestamp around the compression ops in the step, over the "
-            "epoch's wall time, median over epochs 2.., mean over seeds and both data sets.",
-            "The seeds of one method share one traced model: weights re-drawn from the seed, "
-            "optimizer slots/step and compressor state reset, data reshuffled with the seed.",
-            "Within one process the wire tensors cross logical CPU devices through "
-            "ReductionToOneDevice copies (no collectives: many strategies share the process); "
-            "across processes, tests/test_compression_multiworker.py runs the collective path.",
-            f"The machine ({os.cpu_count()} cores) is shared with other engineers' TensorFlow "
-            "jobs; seconds and MB/s are noisy (medians of interleaved repeats for MB/s).",
-        ],
+        "notes": _notes(seeds, _datasets(quick)),
     }

@@ -22,6 +22,11 @@ import numpy as np
 
 from benchmarks import _harness
 
+# Training-time budgets (seconds) of the time-to-accuracy runs, quick or not;
+# their accuracy is marked every CHUNK steps.
+BUDGET = {True: {"digits": 6, "mnist1d": 8}, False: {"digits": 20, "mnist1d": 30}}
+CHUNK = {"digits": 50, "mnist1d": 100}
+
 
 def _run(cfg, timeout=900):
     repo = cfg.pop("repo", None)
@@ -79,14 +84,10 @@ def throughput(models=("mlp", "cnn"), **kwargs):
     }
 
 
-def run(quick=False, seed=0):
-    repeats = 1 if quick else 3
-    figures, rows, notes = [], [], []
-    staleness = []
-
-    # -- throughput ---------------------------------------------------------
+def _throughput_section(quick, repeats, seed, figures):
+    """Examples/s of one Keras process and of Downpour on 1 and 2 workers: the table's rows."""
     steps = 40 if quick else 200
-    scale_rows = []
+    rows = []
     for model, eps in throughput(steps=steps, repeats=repeats, seed=seed).items():
         for system, values in eps.items():
             figures.append(
@@ -103,75 +104,65 @@ def run(quick=False, seed=0):
         for n in (1, 5):
             one = _harness.median(eps[f"downpour-1w-n{n}"])
             two = _harness.median(eps[f"downpour-2w-n{n}"])
-            scale_rows.append(
+            rows.append(
                 [f"{model}, n={n}", _harness.median(eps["keras-1thread"]), one, two, two / one]
             )
+    return rows
 
-    # -- time to accuracy, communication, staleness -----------------------
-    budget = {"digits": 6 if quick else 20, "mnist1d": 8 if quick else 30}
-    chunk = {"digits": 50, "mnist1d": 100}
-    tta_rows = []
-    comm = collections.defaultdict(dict)
+
+def _tta_configs(dataset, quick, seed):
+    base = dict(
+        task="time_to_accuracy",
+        dataset=dataset,
+        seed=seed,
+        hidden=256,
+        lr=0.05,
+        budget=BUDGET[quick][dataset],
+        chunk=CHUNK[dataset],
+        workers=2,
+    )
+    configs = {
+        "keras": dict(base, system="keras", n=1),
+        "mirrored-2": dict(base, system="mirrored", n=1),
+        "downpour-2w-n1": dict(base, system="downpour", n=1),
+        "downpour-2w-n5": dict(base, system="downpour", n=5),
+    }
+    if not quick:
+        configs["downpour-2w-n10"] = dict(base, system="downpour", n=10)
+    return configs
+
+
+def _tta_figures(dataset, system, runs, target, budget):
+    hit = _harness.reached(runs)
+    final = [r["final_accuracy"] for r in runs]
+    figures = [
+        _harness.seconds_to_target_figure(
+            dataset, system, runs, target, budget_seconds=budget, curves=[r["curve"] for r in runs]
+        ),
+        _harness.figure(
+            dataset, system, "final_accuracy", "fraction", final, budget_seconds=budget
+        ),
+    ]
+    median_hit = _harness.median(hit) if len(hit) * 2 > len(runs) else None
+    seconds = (
+        f"{median_hit:.1f}" if median_hit is not None else f"not reached ({len(hit)}/{len(runs)})"
+    )
+    return figures, [dataset, system, target, seconds, _harness.median(final)]
+
+
+def _time_to_accuracy_section(quick, seed, figures, staleness, comm):
+    """Seconds to a common accuracy on both datasets: the table's rows.
+
+    Also collects every push's staleness and, per ``n``, the bytes a step
+    pushes and fetches (``comm[n][dataset]``)."""
+    rows = []
     for dataset in ("mnist1d", "digits"):
-        base = dict(
-            task="time_to_accuracy",
-            dataset=dataset,
-            seed=seed,
-            hidden=256,
-            lr=0.05,
-            budget=budget[dataset],
-            chunk=chunk[dataset],
-            workers=2,
-        )
-        configs = {
-            "keras": dict(base, system="keras", n=1),
-            "mirrored-2": dict(base, system="mirrored", n=1),
-            "downpour-2w-n1": dict(base, system="downpour", n=1),
-            "downpour-2w-n5": dict(base, system="downpour", n=5),
-        }
-        if not quick:
-            configs["downpour-2w-n10"] = dict(base, system="downpour", n=10)
-        samples = _interleave(configs, 1 if quick else 2)
+        samples = _interleave(_tta_configs(dataset, quick, seed), 1 if quick else 2)
         target = next(iter(samples.values()))[0]["target"]
         for system, runs in samples.items():
-            reached = [r["seconds_to_target"] for r in runs]
-            hit = [t for t in reached if t is not None]
-            final = [r["final_accuracy"] for r in runs]
-            figures.append(
-                _harness.figure(
-                    dataset,
-                    system,
-                    "seconds_to_target",
-                    "s",
-                    hit or [float("nan")],
-                    target_accuracy=target,
-                    reached_in=f"{len(hit)}/{len(runs)}",
-                    budget_seconds=budget[dataset],
-                    curves=[r["curve"] for r in runs],
-                )
-            )
-            figures.append(
-                _harness.figure(
-                    dataset,
-                    system,
-                    "final_accuracy",
-                    "fraction",
-                    final,
-                    budget_seconds=budget[dataset],
-                )
-            )
-            median_hit = _harness.median(hit) if len(hit) * 2 > len(runs) else None
-            tta_rows.append(
-                [
-                    dataset,
-                    system,
-                    target,
-                    f"{median_hit:.1f}"
-                    if median_hit is not None
-                    else f"not reached ({len(hit)}/{len(runs)})",
-                    _harness.median(final),
-                ]
-            )
+            more, row = _tta_figures(dataset, system, runs, target, BUDGET[quick][dataset])
+            figures.extend(more)
+            rows.append(row)
             if system.startswith("downpour"):
                 n = int(system.rsplit("n", 1)[1])
                 comm[n][dataset] = (
@@ -180,80 +171,62 @@ def run(quick=False, seed=0):
                 )
                 for r in runs:
                     staleness.extend(r["staleness"])
-                    figures.append(
-                        {
-                            "case": dataset,
-                            "system": system,
-                            "metric": "staleness_histogram",
-                            "unit": "pushes per staleness value",
-                            "median": float(np.median(r["staleness"])),
-                            "histogram": np.bincount(r["staleness"]).tolist(),
-                        }
-                    )
+                figures += [
+                    _harness.staleness_figure(dataset, system, r["staleness"]) for r in runs
+                ]
+    return rows
 
-    comm_rows = []
+
+def _communication_section(comm, figures):
+    """Bytes a step pushes and fetches on MNIST-1D, per ``n``: the table's rows."""
+    rows = []
     for n in sorted(comm):
         push, fetch = comm[n]["mnist1d"]
-        comm_rows.append([n, push, fetch, comm[1]["mnist1d"][0] / push])
-        figures.append(
-            _harness.figure(
-                "mnist1d", f"downpour-2w-n{n}", "push_bytes_per_step", "bytes/step", [push]
+        rows.append(["", n, push, fetch, comm[1]["mnist1d"][0] / push])
+        for metric, value in (("push_bytes_per_step", push), ("fetch_bytes_per_step", fetch)):
+            figures.append(
+                _harness.figure("mnist1d", f"downpour-2w-n{n}", metric, "bytes/step", [value])
             )
-        )
-        figures.append(
-            _harness.figure(
-                "mnist1d", f"downpour-2w-n{n}", "fetch_bytes_per_step", "bytes/step", [fetch]
-            )
-        )
+    return rows
+
+
+def _table(scale_rows, tta_rows, comm_rows):
+    rows = [
+        ["**throughput (ex/s)**", "keras 1 thread", "downpour 1 worker", "downpour 2 workers"]
+        + ["2w / 1w"],
+        *scale_rows,
+        ["**time to accuracy**", "system", "target", "seconds to target (median)"]
+        + ["final accuracy in budget"],
+        *tta_rows,
+        ["**communication (MNIST-1D MLP)**", "n_fetch = n_push", "push bytes/step"]
+        + ["fetch bytes/step", "reduction vs n=1"],
+        *comm_rows,
+    ]
+    return {"columns": ["section / model", "a", "b", "c", "d"], "rows": rows}
+
+
+def run(quick=False, seed=0):
+    repeats = 1 if quick else 3
+    figures, staleness = [], []
+    comm = collections.defaultdict(dict)
+    scale_rows = _throughput_section(quick, repeats, seed, figures)
+    tta_rows = _time_to_accuracy_section(quick, seed, figures, staleness, comm)
+    comm_rows = _communication_section(comm, figures)
     hist = np.bincount(staleness) if staleness else np.zeros(1, int)
     stale_row = ", ".join(f"{k}: {v}" for k, v in enumerate(hist.tolist()) if v)
-
-    rows = []
-    rows.append(
-        [
-            "**throughput (ex/s)**",
-            "keras 1 thread",
-            "downpour 1 worker",
-            "downpour 2 workers",
-            "2w / 1w",
-        ]
-    )
-    rows.extend(scale_rows)
-    rows.append(
-        [
-            "**time to accuracy**",
-            "system",
-            "target",
-            "seconds to target (median)",
-            "final accuracy in budget",
-        ]
-    )
-    rows.extend(tta_rows)
-    rows.append(
-        [
-            "**communication (MNIST-1D MLP)**",
-            "n_fetch = n_push",
-            "push bytes/step",
-            "fetch bytes/step",
-            "reduction vs n=1",
-        ]
-    )
-    rows.extend([["", *r] for r in comm_rows])
-    notes.append(
+    notes = [
         f"staleness over {len(staleness)} pushes (value: count): {stale_row}; "
-        f"mean {np.mean(staleness) if staleness else 0:.2f}, max {hist.size - 1}"
-    )
-    notes.append(
+        f"mean {np.mean(staleness) if staleness else 0:.2f}, max {hist.size - 1}",
         f"throughput: {repeats} interleaved repeats, time to accuracy: "
         f"{1 if quick else 2}; seed {seed}; training-time budgets "
-        f"{budget} s; batch 32 per replica, Adagrad(0.05), MLP 256-256"
-    )
-    notes.append("2-core machine: chief, ps and workers share the two cores with each other")
+        f"{BUDGET[quick]} s; batch 32 per replica, Adagrad(0.05), MLP 256-256",
+        "2-core machine: chief, ps and workers share the two cores with each other",
+    ]
     return {
         "candidate": "tfdist_ext.DownpourStrategy (asynchronous, LocalCluster on 127.0.0.1)",
         "peer": "plain Keras model.fit in one process; tf.distribute.MirroredStrategy on 2 logical CPUs",
         "figures": figures,
-        "table": {"columns": ["section / model", "a", "b", "c", "d"], "rows": rows},
+        "table": _table(scale_rows, tta_rows, comm_rows),
         "notes": notes,
     }
 

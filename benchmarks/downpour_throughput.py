@@ -32,25 +32,8 @@ def _cpu_ms(run):
     return None if parts is None else sum(parts.values())
 
 
-def run(quick=False, seed=0):
-    steps = 40 if quick else 200
-    repeats = 1 if quick else 5
-    cores = os.cpu_count()
-    samples = throughput_samples(
-        models=("mlp",), workers=WORKERS, ns=NS, steps=steps, repeats=repeats, seed=seed
-    )["mlp"]
-    eps = {system: [r["examples_per_second"] for r in runs] for system, runs in samples.items()}
-    keras_eps = _harness.median(eps["keras-1thread"])
-    figures = [
-        _harness.figure("mlp", system, "throughput", "examples/s", values, steps=steps)
-        for system, values in eps.items()
-    ]
-    figures += [
-        _harness.figure(
-            "mlp", system, "cpu", "CPU ms per step (all processes)", [_cpu_ms(r) for r in runs]
-        )
-        for system, runs in samples.items()
-    ]
+def _rows(samples, eps, keras_eps, cores):
+    """Per system: examples/s, CPU per step and the ceiling that CPU allows."""
     rows = []
     systems = [("keras-1thread", "", "")] + [
         (f"downpour-{w}w-n{n}", w, n) for w in WORKERS for n in NS
@@ -72,6 +55,29 @@ def run(quick=False, seed=0):
                 median / ceiling,
             ]
         )
+    return rows
+
+
+def run(quick=False, seed=0):
+    steps = 40 if quick else 200
+    repeats = 1 if quick else 5
+    cores = os.cpu_count()
+    samples = throughput_samples(
+        models=("mlp",), workers=WORKERS, ns=NS, steps=steps, repeats=repeats, seed=seed
+    )["mlp"]
+    eps = {system: [r["examples_per_second"] for r in runs] for system, runs in samples.items()}
+    keras_eps = _harness.median(eps["keras-1thread"])
+    figures = [
+        _harness.figure("mlp", system, "throughput", "examples/s", values, steps=steps)
+        for system, values in eps.items()
+    ]
+    figures += [
+        _harness.figure(
+            "mlp", system, "cpu", "CPU ms per step (all processes)", [_cpu_ms(r) for r in runs]
+        )
+        for system, runs in samples.items()
+    ]
+    rows = _rows(samples, eps, keras_eps, cores)
     return {
         "candidate": "DownpourStrategy (1 and 2 workers, 1 ps)",
         "peer": "Keras model.fit in one process, one intra-op thread",

@@ -286,72 +286,16 @@ def _replica_experiment(mirrored, seeds, schedule, log):
                         metrics=["accuracy"],
                     )
                 if perturb:
-                    kernel = model.get_layer("stem_conv").kernel
-                    kernel.assign(
-                        kernel.numpy()
-                        + 1e-7
-                        * np.random.default_rng(1).normal(size=kernel.shape).astype("float32")
-                    )
+                    _perturb(model.get_layer("stem_conv").kernel)
                 start = time.perf_counter()
-                snapshots = []
-                model.fit(ds.take(1), verbose=0)
-                snapshots.append([w.numpy() for w in model.weights])
-                model.fit(ds.skip(1).take(9), verbose=0)
-                snapshots.append([w.numpy() for w in model.weights])
-                model.fit(ds.skip(10), verbose=0)
-                snapshots.append([w.numpy() for w in model.weights])
-                assert int(model.optimizer.iterations.numpy()) == epochs * steps
-                _, accuracy = model.evaluate(x_test, y_test, batch_size=500, verbose=0)
-                bn = model.get_layer("stem_bn")
-                copies = getattr(bn.moving_mean.value, "values", None)
-                spread = (
-                    0.0
-                    if not copies
-                    else float(max(np.abs(c.numpy() - copies[0].numpy()).max() for c in copies))
-                )
-                results[(norm_name, system, seed)] = {
-                    "accuracy": 100 * float(accuracy),
-                    "snapshots": snapshots,
-                    "replica_spread": spread,
-                }
+                result = _replica_arm(model, ds, (x_test, y_test), epochs * steps)
+                results[(norm_name, system, seed)] = result
                 log(
                     f"replica run {norm_name} BN {system} seed={seed}: held-out accuracy "
-                    f"{100 * float(accuracy):.2f}% ({time.perf_counter() - start:.0f}s)"
+                    f"{result['accuracy']:.2f}% ({time.perf_counter() - start:.0f}s)"
                 )
-
-    def diff(a, b, i):
-        return float(max(np.abs(u - v).max() for u, v in zip(a["snapshots"][i], b["snapshots"][i])))
-
-    out = {}
-    for norm_name in ("independent", "plain"):
-        one = [results[(norm_name, "1x4n", s)] for s in seeds]
-        four = [results[(norm_name, "4xn", s)] for s in seeds]
-        acc1 = [r["accuracy"] for r in one]
-        acc4 = [r["accuracy"] for r in four]
-        paired = [a - b for a, b in zip(acc1, acc4)]
-        row = {
-            "acc_1x4n": acc1,
-            "acc_4xn": acc4,
-            "acc_1x4n_mean": float(np.mean(acc1)),
-            "acc_1x4n_std": float(np.std(acc1)),
-            "acc_4xn_mean": float(np.mean(acc4)),
-            "acc_4xn_std": float(np.std(acc4)),
-            "paired_diff": paired,
-            "paired_diff_mean": float(np.mean(paired)),
-            "paired_diff_std": float(np.std(paired)),
-            "weight_diff_step1": max(diff(a, b, 0) for a, b in zip(one, four)),
-            "weight_diff_step10": max(diff(a, b, 1) for a, b in zip(one, four)),
-            "weight_diff_final": max(diff(a, b, 2) for a, b in zip(one, four)),
-            "replica_spread_moving_mean": max(r["replica_spread"] for r in four),
-        }
-        floor = results.get((norm_name, "1x4n+1e-7", seeds[0]))
-        if floor is not None:
-            base = results[(norm_name, "1x4n", seeds[0])]
-            row["noise_floor_acc"] = floor["accuracy"]
-            row["noise_floor_acc_diff"] = base["accuracy"] - floor["accuracy"]
-            row["noise_floor_diff_step10"] = diff(base, floor, 1)
-            row["noise_floor_diff_final"] = diff(base, floor, 2)
-        out[norm_name] = row
+    out = {norm_name: _replica_summary(results, norm_name, seeds) for norm_name in NORMS}
+    for norm_name, row in out.items():
         log(
             f"replicas {norm_name}: "
             + ", ".join(
@@ -365,6 +309,74 @@ def _replica_experiment(mirrored, seeds, schedule, log):
             )
         )
     return out
+
+
+NORMS = ("independent", "plain")
+
+
+def _perturb(kernel):
+    """Moves every weight of ``kernel`` by about 1e-7 (seeded): the noise-floor arm."""
+    noise = np.random.default_rng(1).normal(size=kernel.shape).astype("float32")
+    kernel.assign(kernel.numpy() + 1e-7 * noise)
+
+
+def _replica_arm(model, ds, test, total_steps):
+    """Trains one arm on ``ds``: its held-out accuracy (%), the weights after 1
+    and 10 steps and at the end, and the spread of BN's replica copies."""
+    snapshots = []
+    model.fit(ds.take(1), verbose=0)
+    snapshots.append([w.numpy() for w in model.weights])
+    model.fit(ds.skip(1).take(9), verbose=0)
+    snapshots.append([w.numpy() for w in model.weights])
+    model.fit(ds.skip(10), verbose=0)
+    snapshots.append([w.numpy() for w in model.weights])
+    assert int(model.optimizer.iterations.numpy()) == total_steps
+    _, accuracy = model.evaluate(*test, batch_size=500, verbose=0)
+    copies = getattr(model.get_layer("stem_bn").moving_mean.value, "values", None)
+    spread = (
+        0.0
+        if not copies
+        else float(max(np.abs(c.numpy() - copies[0].numpy()).max() for c in copies))
+    )
+    return {"accuracy": 100 * float(accuracy), "snapshots": snapshots, "replica_spread": spread}
+
+
+def _weight_diff(a, b, i):
+    """The largest weight difference of two arms at snapshot ``i``."""
+    return float(max(np.abs(u - v).max() for u, v in zip(a["snapshots"][i], b["snapshots"][i])))
+
+
+def _replica_summary(results, norm_name, seeds):
+    """One BN kind's arms over the seeds: accuracies, paired differences,
+    weight differences and the noise floor."""
+    one = [results[(norm_name, "1x4n", s)] for s in seeds]
+    four = [results[(norm_name, "4xn", s)] for s in seeds]
+    acc1 = [r["accuracy"] for r in one]
+    acc4 = [r["accuracy"] for r in four]
+    paired = [a - b for a, b in zip(acc1, acc4)]
+    row = {
+        "acc_1x4n": acc1,
+        "acc_4xn": acc4,
+        "acc_1x4n_mean": float(np.mean(acc1)),
+        "acc_1x4n_std": float(np.std(acc1)),
+        "acc_4xn_mean": float(np.mean(acc4)),
+        "acc_4xn_std": float(np.std(acc4)),
+        "paired_diff": paired,
+        "paired_diff_mean": float(np.mean(paired)),
+        "paired_diff_std": float(np.std(paired)),
+        "weight_diff_step1": max(_weight_diff(a, b, 0) for a, b in zip(one, four)),
+        "weight_diff_step10": max(_weight_diff(a, b, 1) for a, b in zip(one, four)),
+        "weight_diff_final": max(_weight_diff(a, b, 2) for a, b in zip(one, four)),
+        "replica_spread_moving_mean": max(r["replica_spread"] for r in four),
+    }
+    floor = results.get((norm_name, "1x4n+1e-7", seeds[0]))
+    if floor is not None:
+        base = results[(norm_name, "1x4n", seeds[0])]
+        row["noise_floor_acc"] = floor["accuracy"]
+        row["noise_floor_acc_diff"] = base["accuracy"] - floor["accuracy"]
+        row["noise_floor_diff_step10"] = _weight_diff(base, floor, 1)
+        row["noise_floor_diff_final"] = _weight_diff(base, floor, 2)
+    return row
 
 
 def _first_step_stats(mirrored, seed):
@@ -454,86 +466,61 @@ def _plots(results, curves, path_error, path_curves):
     return [path_error, path_curves]
 
 
-def run(quick=False, seed=0):
-    from tfdist_ext.cluster import logical_cpus
-
-    devices = logical_cpus(4)
-    import tensorflow as tf
-
-    log_lines = []
-
-    def log(message):
-        log_lines.append(message)
-        print(message, flush=True)
-
-    seeds = (seed,) if quick else (seed, seed + 1, seed + 2)
-    ks = (1, 8) if quick else KS
-    figures, rows, summary, curves = [], [], {}, {}
-    mirrored = tf.distribute.MirroredStrategy(devices)
-    first = _first_step_stats(mirrored, seed)
-    replica_schedule = dict(epochs=2, warmup=0.5, decay=(1,)) if quick else REPLICA_SCHEDULE
-    replicas = _replica_experiment(mirrored, seeds, replica_schedule, log)
-    for name, cfg in CONFIG.items():
-        data = _load(name)
-        if quick:
-            cfg = quick_config(cfg)
-        epochs = cfg["epochs"]
-        runs = _grid(name, data, cfg, ks, seeds, epochs, log)
-        summary[name] = {}
-        for variant in VARIANTS:
-            summary[name][variant] = {}
-            for k in ks:
-                errors = [runs[(k, variant, s)]["test_error"] for s in seeds]
-                mean, std = float(np.mean(errors)), float(np.std(errors))
-                summary[name][variant][k] = (mean, std)
-                figures.append(
-                    _harness.figure(
-                        f"{name} k={k}",
-                        variant,
-                        "held-out error",
-                        "%",
-                        errors,
-                        k=k,
-                        n=cfg["n"],
-                        total_batch=k * cfg["n"],
-                        seeds=list(seeds),
-                        mean=mean,
-                        std=std,
-                        diverged=sum(runs[(k, variant, s)]["diverged"] for s in seeds),
-                        train_seconds=[round(runs[(k, variant, s)]["seconds"], 1) for s in seeds],
-                    )
-                )
+def _grid_section(name, cfg, ks, seeds, log, out):
+    """One data set's grid of k and rules: figures and rows into ``out``; the
+    error summary ``{variant: {k: (mean, std)}}`` and training curves."""
+    runs = _grid(name, _load(name), cfg, ks, seeds, cfg["epochs"], log)
+    summary = {}
+    for variant in VARIANTS:
+        summary[variant] = {}
         for k in ks:
-            rows.append(
-                [
-                    name,
-                    k,
-                    k * cfg["n"],
-                    *(
-                        f"{summary[name][v][k][0]:.2f} ± {summary[name][v][k][1]:.2f}"
-                        for v in VARIANTS
-                    ),
-                ]
-            )
-        curves[name] = {
-            k: [runs[(k, VARIANTS[0], s)]["train_error_curve"] for s in seeds]
-            for k in (1, 8)
-            if k in ks
-        }
-        for k, per_seed in curves[name].items():
-            figures.append(
+            errors = [runs[(k, variant, s)]["test_error"] for s in seeds]
+            mean, std = float(np.mean(errors)), float(np.std(errors))
+            summary[variant][k] = (mean, std)
+            out["figures"].append(
                 _harness.figure(
-                    f"{name} k={k} curve",
-                    VARIANTS[0],
-                    "training error per epoch",
+                    f"{name} k={k}",
+                    variant,
+                    "held-out error",
                     "%",
-                    [float(np.mean([c[-1] for c in per_seed]))],
-                    curve_mean=[float(v) for v in np.mean(per_seed, axis=0)],
+                    errors,
+                    k=k,
+                    n=cfg["n"],
+                    total_batch=k * cfg["n"],
+                    seeds=list(seeds),
+                    mean=mean,
+                    std=std,
+                    diverged=sum(runs[(k, variant, s)]["diverged"] for s in seeds),
+                    train_seconds=[round(runs[(k, variant, s)]["seconds"], 1) for s in seeds],
                 )
             )
+    for k in ks:
+        cells = (f"{summary[v][k][0]:.2f} ± {summary[v][k][1]:.2f}" for v in VARIANTS)
+        out["rows"].append([name, k, k * cfg["n"], *cells])
+    curves = {
+        k: [runs[(k, VARIANTS[0], s)]["train_error_curve"] for s in seeds]
+        for k in (1, 8)
+        if k in ks
+    }
+    for k, per_seed in curves.items():
+        out["figures"].append(
+            _harness.figure(
+                f"{name} k={k} curve",
+                VARIANTS[0],
+                "training error per epoch",
+                "%",
+                [float(np.mean([c[-1] for c in per_seed]))],
+                curve_mean=[float(v) for v in np.mean(per_seed, axis=0)],
+            )
+        )
+    return summary, curves
 
+
+def _replica_section(replicas, first, seeds, out):
+    """The replica experiment's figures and rows into ``out``."""
+    n = CONFIG["mnist1d"]["n"]
     for norm_name, r in replicas.items():
-        figures.append(
+        out["figures"].append(
             _harness.figure(
                 "1x4n vs 4xn",
                 f"{norm_name} BN",
@@ -545,9 +532,9 @@ def run(quick=False, seed=0):
                 **r,
             )
         )
-        rows.append(
+        out["rows"].append(
             [
-                f"mnist1d 1x{4 * CONFIG['mnist1d']['n']} vs 4x{CONFIG['mnist1d']['n']}",
+                f"mnist1d 1x{4 * n} vs 4x{n}",
                 f"{norm_name} BN",
                 "",
                 f"acc {r['acc_1x4n_mean']:.2f} ± {r['acc_1x4n_std']:.2f} vs "
@@ -559,15 +546,9 @@ def run(quick=False, seed=0):
             ]
         )
 
-    suffix = ".quick" if quick else ""
-    plot_paths = _plots(
-        summary,
-        curves,
-        os.path.join(_harness.RESULTS_DIR, f"large_batch_error{suffix}.png"),
-        os.path.join(_harness.RESULTS_DIR, f"large_batch_curves{suffix}.png"),
-    )
 
-    notes = [
+def _notes(seeds, replica_schedule, plot_paths):
+    return [
         "k workers with per-worker batch n are simulated on one device as a total "
         "batch k*n whose batch norm is IndependentBatchNormalization(virtual_batch_size=n): "
         "the paper's k*n total batch with BN over n per worker, exactly.",
@@ -621,12 +602,46 @@ def run(quick=False, seed=0):
         if plot_paths
         else "matplotlib not installed: no plots",
     ]
+
+
+def run(quick=False, seed=0):
+    from tfdist_ext.cluster import logical_cpus
+
+    devices = logical_cpus(4)
+    import tensorflow as tf
+
+    log_lines = []
+
+    def log(message):
+        log_lines.append(message)
+        print(message, flush=True)
+
+    seeds = (seed,) if quick else (seed, seed + 1, seed + 2)
+    ks = (1, 8) if quick else KS
+    out = {"figures": [], "rows": []}
+    summary, curves = {}, {}
+    mirrored = tf.distribute.MirroredStrategy(devices)
+    first = _first_step_stats(mirrored, seed)
+    replica_schedule = dict(epochs=2, warmup=0.5, decay=(1,)) if quick else REPLICA_SCHEDULE
+    replicas = _replica_experiment(mirrored, seeds, replica_schedule, log)
+    for name, cfg in CONFIG.items():
+        cfg = quick_config(cfg) if quick else cfg
+        summary[name], curves[name] = _grid_section(name, cfg, ks, seeds, log, out)
+    _replica_section(replicas, first, seeds, out)
+    suffix = ".quick" if quick else ""
+    plot_paths = _plots(
+        summary,
+        curves,
+        os.path.join(_harness.RESULTS_DIR, f"large_batch_error{suffix}.png"),
+        os.path.join(_harness.RESULTS_DIR, f"large_batch_curves{suffix}.png"),
+    )
+    notes = _notes(seeds, replica_schedule, plot_paths)
     notes.extend(f"log: {line}" for line in log_lines if line.startswith("replica"))
     return {
         "candidate": "LinearScaling with gradual warm-up (+ IndependentBatchNormalization, "
         "momentum correction, Goyal recipe)",
         "peer": "linear scaling without warm-up; no scaling",
-        "figures": figures,
+        "figures": out["figures"],
         "table": {
             "columns": [
                 "data",
@@ -636,7 +651,7 @@ def run(quick=False, seed=0):
                 "error % scaled",
                 "error % unscaled",
             ],
-            "rows": rows,
+            "rows": out["rows"],
         },
         "notes": notes,
     }

@@ -137,20 +137,8 @@ def _plots(summary, errors, best, suffix, n):
     return paths
 
 
-def run(quick=False, seed=0):
-    log_lines = []
-
-    def log(message):
-        log_lines.append(message)
-        print(message, flush=True)
-
-    cfg = lb.CONFIG["mnist1d"]
-    if quick:
-        cfg = lb.quick_config(cfg)
-    seeds = (seed,) if quick else (seed, seed + 1, seed + 2)
-    data = lb._load("mnist1d")
-    best, sweep_errors = _sweep(data, cfg, seed, log)
-    bases = {"sgd": cfg["eta"], **best}
+def _train_all(data, cfg, bases, seeds, log):
+    """k = 1 SGD and every (k, method) on every seed: ``{(k, method, seed): result}``."""
     runs = {}
     for s in seeds:
         runs[(1, "sgd", s)] = _train(data, cfg, 1, "sgd", bases["sgd"], s)
@@ -163,60 +151,59 @@ def run(quick=False, seed=0):
                     f"k={k:2d} {method:4s} seed={s}: error {result['test_error']:.2f}% "
                     f"({result['seconds']:.0f}s)"
                 )
-    cells = [(1, "sgd")] + [(k, m) for k in KS for m in METHODS]
-    summary, figures, rows = {}, [], []
-    for k, method in cells:
-        errors = [runs[(k, method, s)]["test_error"] for s in seeds]
-        summary[(k, method)] = (float(np.mean(errors)), float(np.std(errors)))
+    return runs
+
+
+def _cell(k, method, per_seed, summary, cfg, bases, seeds):
+    """The figure and the table row of one (k, method)."""
+    mean, std = summary[(k, method)]
     base_mean = summary[(1, "sgd")][0]
-    for k, method in cells:
-        mean, std = summary[(k, method)]
-        per_seed = [runs[(k, method, s)] for s in seeds]
-        figures.append(
-            _harness.figure(
-                f"mnist1d k={k}",
-                method,
-                "held-out error",
-                "%",
-                [r["test_error"] for r in per_seed],
-                k=k,
-                n=cfg["n"],
-                total_batch=k * cfg["n"],
-                base_rate=bases[method],
-                seeds=list(seeds),
-                mean=mean,
-                std=std,
-                gap_to_k1=mean - base_mean,
-                diverged=sum(r["diverged"] for r in per_seed),
-                train_seconds=[round(r["seconds"], 1) for r in per_seed],
-            )
+    figure = _harness.figure(
+        f"mnist1d k={k}",
+        method,
+        "held-out error",
+        "%",
+        [r["test_error"] for r in per_seed],
+        k=k,
+        n=cfg["n"],
+        total_batch=k * cfg["n"],
+        base_rate=bases[method],
+        seeds=list(seeds),
+        mean=mean,
+        std=std,
+        gap_to_k1=mean - base_mean,
+        diverged=sum(r["diverged"] for r in per_seed),
+        train_seconds=[round(r["seconds"], 1) for r in per_seed],
+    )
+    row = [
+        k,
+        k * cfg["n"],
+        method,
+        f"{bases[method]:g}",
+        f"{mean:.2f} ± {std:.2f}",
+        "" if k == 1 else f"{mean - base_mean:+.2f}",
+    ]
+    return figure, row
+
+
+def _sweep_figures(sweep_errors, best, seed):
+    return [
+        _harness.figure(
+            f"sweep k={SWEEP_K}",
+            method,
+            "validation error per base rate",
+            "%",
+            [per_base[b] for b in GRID[method]],
+            base_rates=list(GRID[method]),
+            chosen=best[method],
+            seed=seed,
         )
-        rows.append(
-            [
-                k,
-                k * cfg["n"],
-                method,
-                f"{bases[method]:g}",
-                f"{mean:.2f} ± {std:.2f}",
-                "" if k == 1 else f"{mean - base_mean:+.2f}",
-            ]
-        )
-    for method, per_base in sweep_errors.items():
-        figures.append(
-            _harness.figure(
-                f"sweep k={SWEEP_K}",
-                method,
-                "validation error per base rate",
-                "%",
-                [per_base[b] for b in GRID[method]],
-                base_rates=list(GRID[method]),
-                chosen=best[method],
-                seed=seed,
-            )
-        )
-    plot_paths = _plots(summary, sweep_errors, best, ".quick" if quick else "", cfg["n"])
-    goal = summary[(32, "lars")][0] - base_mean
-    notes = [
+        for method, per_base in sweep_errors.items()
+    ]
+
+
+def _notes(cfg, best, seeds, seed, goal, quick, plot_paths):
+    return [
         f"MNIST-1D, large_batch's model, data and schedule (n={cfg['n']}, {cfg['epochs']} "
         f"epochs, warm-up {cfg['warmup']:g} ep, rate /10 at epochs {cfg['decay']}), the same "
         "for every k and optimizer; k workers simulated as a total batch k*n with batch norm "
@@ -245,6 +232,37 @@ def run(quick=False, seed=0):
         if plot_paths
         else "matplotlib not installed: no plots",
     ]
+
+
+def run(quick=False, seed=0):
+    log_lines = []
+
+    def log(message):
+        log_lines.append(message)
+        print(message, flush=True)
+
+    cfg = lb.CONFIG["mnist1d"]
+    if quick:
+        cfg = lb.quick_config(cfg)
+    seeds = (seed,) if quick else (seed, seed + 1, seed + 2)
+    data = lb._load("mnist1d")
+    best, sweep_errors = _sweep(data, cfg, seed, log)
+    bases = {"sgd": cfg["eta"], **best}
+    runs = _train_all(data, cfg, bases, seeds, log)
+    cells = [(1, "sgd")] + [(k, m) for k in KS for m in METHODS]
+    summary, figures, rows = {}, [], []
+    for k, method in cells:
+        errors = [runs[(k, method, s)]["test_error"] for s in seeds]
+        summary[(k, method)] = (float(np.mean(errors)), float(np.std(errors)))
+    for k, method in cells:
+        per_seed = [runs[(k, method, s)] for s in seeds]
+        figure, row = _cell(k, method, per_seed, summary, cfg, bases, seeds)
+        figures.append(figure)
+        rows.append(row)
+    figures += _sweep_figures(sweep_errors, best, seed)
+    plot_paths = _plots(summary, sweep_errors, best, ".quick" if quick else "", cfg["n"])
+    goal = summary[(32, "lars")][0] - summary[(1, "sgd")][0]
+    notes = _notes(cfg, best, seeds, seed, goal, quick, plot_paths)
     notes.extend(f"log: {line}" for line in log_lines if line.startswith("sweep"))
     return {
         "candidate": "LARS (tfdist_ext.optimizers.LARS) with linear scaling + warm-up",

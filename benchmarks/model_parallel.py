@@ -16,6 +16,7 @@ Three measurements, one process, seeded:
    micro-batches, k = 2 and 4) against the same weights on one device.
 """
 
+import functools
 import os
 import resource
 import time
@@ -95,6 +96,68 @@ def _balance(keras, devices, figures, rows):
             )
 
 
+# Systems of the step-time comparison: micro-batches of the partitioned
+# model, None for the unpartitioned model on one device.
+STEP_SYSTEMS = {
+    "one device": None,
+    "partitioned, M=1": 1,
+    "partitioned, M=4": 4,
+    "partitioned, M=8": 8,
+}
+
+
+def _step_model(keras, tf, devices, seed, microbatches, inputs, width):
+    from tfdist_ext.model_parallel import ModelParallelStrategy
+
+    keras.utils.set_random_seed(seed)
+    strategy = (
+        tf.distribute.get_strategy()
+        if microbatches is None
+        else ModelParallelStrategy(
+            devices[:STEP_DEVICES], microbatches=microbatches, balance_by="flops"
+        )
+    )
+    with strategy.scope():
+        model = _mlp(keras, inputs=inputs, width=width, depth=4)
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    return model
+
+
+def _measure_steps(model, x, y, steps, usage):
+    """Ms per step of ``steps`` calls of train_on_batch; appends the process's
+    CPU-time / wall-time to ``usage``."""
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+    start = time.perf_counter()
+    for _ in range(steps):
+        model.train_on_batch(x, y)
+    wall = time.perf_counter() - start
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
+    usage.append(cpu / wall)
+    return wall / steps * 1000
+
+
+def _step_time_rows(samples, usage, batch):
+    base = _harness.median(samples["partitioned, M=1"])
+    one = _harness.median(samples["one device"])
+    rows = []
+    for name, values in samples.items():
+        t = _harness.median(values)
+        rows.append(
+            [
+                f"step time batch {batch}, {name} (ms, median)",
+                round(t, 1),
+                f"M=1: {base:.1f} ms; one device: {one:.1f} ms",
+                f"{base / t:.2f}x vs M=1, {one / t:.2f}x vs one device; "
+                f"{usage[name]:.2f} cores busy",
+            ]
+        )
+    return rows
+
+
 def _step_times(keras, tf, devices, seed, quick, batch, figures, rows, notes):
     """Step times of one device, the partitioned model and its pipelined step.
 
@@ -102,7 +165,6 @@ def _step_times(keras, tf, devices, seed, quick, batch, figures, rows, notes):
     per system (interleaved repeats; the warm-up round is dropped).
     """
     from tfdist_ext import datasets
-    from tfdist_ext.model_parallel import ModelParallelStrategy
 
     inputs, width = (512, 512) if quick else (1024, 1024)
     steps = 2 if quick else 4
@@ -111,45 +173,11 @@ def _step_times(keras, tf, devices, seed, quick, batch, figures, rows, notes):
     # input pipeline (whose threads would compete for the same 2 cores).
     x, y = datasets.synthetic(batch, input_shape=(inputs,), seed=seed, as_numpy=True)
     x, y = tf.constant(x), tf.constant(y)
-    systems, builds = (
-        {},
-        {
-            "one device": None,
-            "partitioned, M=1": 1,
-            "partitioned, M=4": 4,
-            "partitioned, M=8": 8,
-        },
-    )
-    usage = {}
-    for name, microbatches in builds.items():
-        keras.utils.set_random_seed(seed)
-        strategy = (
-            tf.distribute.get_strategy()
-            if microbatches is None
-            else ModelParallelStrategy(
-                devices[:STEP_DEVICES], microbatches=microbatches, balance_by="flops"
-            )
-        )
-        with strategy.scope():
-            model = _mlp(keras, inputs=inputs, width=width, depth=4)
-            model.compile(
-                optimizer=keras.optimizers.SGD(0.01),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            )
+    systems, usage = {}, {}
+    for name, microbatches in STEP_SYSTEMS.items():
+        model = _step_model(keras, tf, devices, seed, microbatches, inputs, width)
         usage[name] = []
-
-        def measure(model=model, name=name):
-            cpu0 = resource.getrusage(resource.RUSAGE_SELF)
-            start = time.perf_counter()
-            for _ in range(steps):
-                model.train_on_batch(x, y)
-            wall = time.perf_counter() - start
-            cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime)
-            usage[name].append(cpu / wall)
-            return wall / steps * 1000
-
-        systems[name] = measure
+        systems[name] = functools.partial(_measure_steps, model, x, y, steps, usage[name])
     load_before = _load()
     samples = _harness.interleaved(systems, repeats)
     load_after = _load()
@@ -169,19 +197,7 @@ def _step_times(keras, tf, devices, seed, quick, batch, figures, rows, notes):
                 cpu_utilisation=usage[name],
             )
         )
-    base = _harness.median(samples["partitioned, M=1"])
-    one = _harness.median(samples["one device"])
-    for name, values in samples.items():
-        t = _harness.median(values)
-        rows.append(
-            [
-                f"step time batch {batch}, {name} (ms, median)",
-                round(t, 1),
-                f"M=1: {base:.1f} ms; one device: {one:.1f} ms",
-                f"{base / t:.2f}x vs M=1, {one / t:.2f}x vs one device; "
-                f"{usage[name]:.2f} cores busy",
-            ]
-        )
+    rows += _step_time_rows(samples, usage, batch)
     notes.append(
         f"step time, {case}: Keras train_on_batch on one in-memory batch, {steps} steps "
         f"per sample, medians of {repeats} interleaved "

@@ -38,6 +38,25 @@ def _models(keras):
     return {"mlp": (mlp, (784,), 256), "cnn": (cnn, (28, 28, 1), 128)}
 
 
+def _measurer(keras, strategy, build, ds, batch, steps, seed):
+    """A model built and compiled under ``strategy``; a function measuring its
+    examples/s over one ``fit`` of ``steps`` steps."""
+    keras.utils.set_random_seed(seed)
+    with strategy.scope():
+        model = build()
+        model.compile(
+            optimizer=keras.optimizers.SGD(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+
+    def measure():
+        start = time.perf_counter()
+        model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
+        return batch * steps / (time.perf_counter() - start)
+
+    return measure
+
+
 def run(quick=False, seed=0):
     from tfdist_ext.cluster import logical_cpus
 
@@ -60,25 +79,13 @@ def run(quick=False, seed=0):
             .cache()
             .repeat()
         )
-        systems = {}
-        for system, strategy in (
-            ("keras", tf.distribute.get_strategy()),
-            ("mirrored-2", mirrored),
-        ):
-            keras.utils.set_random_seed(seed)
-            with strategy.scope():
-                model = build()
-                model.compile(
-                    optimizer=keras.optimizers.SGD(0.01),
-                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                )
-
-            def measure(model=model):
-                start = time.perf_counter()
-                model.fit(ds, epochs=1, steps_per_epoch=steps, verbose=0)
-                return batch * steps / (time.perf_counter() - start)
-
-            systems[system] = measure
+        systems = {
+            system: _measurer(keras, strategy, build, ds, batch, steps, seed)
+            for system, strategy in (
+                ("keras", tf.distribute.get_strategy()),
+                ("mirrored-2", mirrored),
+            )
+        }
         samples = _harness.interleaved(systems, repeats)
         for system, values in samples.items():
             figures.append(

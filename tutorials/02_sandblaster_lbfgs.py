@@ -116,6 +116,113 @@ def write_result(path, figures):
         json.dump(figures, f, indent=2, default=lambda value: value.item())
 
 
+def fit_lbfgs(strategy, x, y, x_test, y_test, epochs):
+    """Keras ``fit`` with the coordinator's L-BFGS: the model, its history and seconds."""
+    with strategy.scope():
+        model = keras.Sequential(
+            [
+                keras.Input((64,)),
+                keras.layers.Dense(
+                    10, kernel_initializer="zeros", kernel_regularizer=keras.regularizers.L2(L2)
+                ),
+            ]
+        )
+        model.compile(
+            optimizer=tfdist_ext.optimizers.LBFGS(memory=10),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    t0 = time.perf_counter()
+    history = model.fit(x, y, epochs=epochs, validation_data=(x_test, y_test), verbose=0)
+    return model, history.history, time.perf_counter() - t0
+
+
+def report_fit(model, h, seconds, epochs, reference, scipy_seconds):
+    """Prints the fit's result beside SciPy's; its figures."""
+    result = model.optimizer.result
+    print(
+        f"Sandblaster L-BFGS (2 workers, 2 ps): loss {result.fun:.8f} after "
+        f"{result.nit} iterations, {result.nfev} passes, {seconds:.1f} s"
+    )
+    stopped = (
+        result.message
+        if result.status is not None
+        else f"after the {epochs} epochs fit was given, before a stopping rule fired"
+    )
+    print(f"  stopped: {stopped}")
+    print(
+        f"  train accuracy {h['accuracy'][-1]:.4f}, held-out accuracy {h['val_accuracy'][-1]:.4f}"
+    )
+    parameter_bytes = sum(v.size for v in model.get_weights()) * 4
+    print(
+        f"  the coordinator received {np.median(h['coordinator_bytes']):.0f} bytes per "
+        f"iteration (the parameters are {parameter_bytes} bytes)"
+    )
+    if reference.fun is not None:
+        print(
+            f"SciPy L-BFGS-B (float64):            loss {reference.fun:.8f} after "
+            f"{reference.nit} iterations, {reference.nfev} evaluations, "
+            f"{scipy_seconds:.2f} s"
+        )
+        print(
+            f"  relative difference {abs(result.fun - reference.fun) / reference.fun:.1e}, "
+            f"iterations {result.nit} vs {reference.nit}"
+        )
+    return {
+        "loss": result.fun,
+        "iterations": result.nit,
+        "passes": result.nfev,
+        "train_accuracy": h["accuracy"][-1],
+        "held_out_accuracy": h["val_accuracy"][-1],
+        "coordinator_bytes_per_iteration": np.median(h["coordinator_bytes"]),
+        "parameter_bytes": parameter_bytes,
+        "scipy_loss": reference.fun,  # None in a quick run
+        "scipy_iterations": None if reference.fun is None else reference.nit,
+        "matches_scipy": matches_scipy(result, reference),
+    }
+
+
+def minimize_with_straggler(cluster, strategy, x, y, iterations):
+    """The same objective outside Keras, then again with one worker slowed down 4x."""
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([64, 10]))
+        b = tf.Variable(tf.zeros([10]))
+    plain = tfdist_ext.sandblaster.minimize(
+        loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=iterations
+    )
+    w.assign(tf.zeros([64, 10]))
+    b.assign(tf.zeros([10]))
+    start = len(strategy.passes)
+    with cluster.throttle("worker", 1, slowdown=4):
+        slowed = tfdist_ext.sandblaster.minimize(
+            loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=iterations
+        )
+    passes = strategy.passes[start:]
+    backups, dropped = sum(p.backups for p in passes), sum(p.wasted for p in passes)
+    print(
+        f"minimize, worker 1 slowed 4x: loss {slowed.fun:.8f} "
+        f"(unslowed {plain.fun:.8f}); {backups} backup copies, "
+        f"{dropped} copies finished second and were dropped"
+    )
+    return {
+        "minimize_slowed_loss": slowed.fun,
+        "minimize_unslowed_loss": plain.fun,
+        "backup_copies": backups,
+        "dropped_copies": dropped,
+    }
+
+
+def save_and_reload(model, x_test, y_test):
+    """Saves the model and loads it outside the cluster: its held-out accuracy."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "sandblaster_digits.keras")
+        model.save(path)
+        reloaded = keras.models.load_model(path)
+    accuracy = reloaded.evaluate(x_test, y_test, verbose=0)[1]
+    print(f"Saved and reloaded outside the cluster: held-out accuracy {accuracy:.4f}")
+    return {"reloaded_accuracy": accuracy}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -138,106 +245,15 @@ def main(argv=None):
 
     with tfdist_ext.LocalCluster(num_workers=2, num_ps=2) as cluster:
         strategy = tfdist_ext.SandblasterStrategy(cluster.resolver, min_shard_bytes=1024)
-        with strategy.scope():
-            model = keras.Sequential(
-                [
-                    keras.Input((64,)),
-                    keras.layers.Dense(
-                        10, kernel_initializer="zeros", kernel_regularizer=keras.regularizers.L2(L2)
-                    ),
-                ]
-            )
-            model.compile(
-                optimizer=tfdist_ext.optimizers.LBFGS(memory=10),
-                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"],
-            )
-        t0 = time.perf_counter()
-        history = model.fit(x, y, epochs=epochs, validation_data=(x_test, y_test), verbose=0)
-        seconds = time.perf_counter() - t0
-        result = model.optimizer.result
-        h = history.history
-        print(
-            f"Sandblaster L-BFGS (2 workers, 2 ps): loss {result.fun:.8f} after "
-            f"{result.nit} iterations, {result.nfev} passes, {seconds:.1f} s"
-        )
-        stopped = (
-            result.message
-            if result.status is not None
-            else f"after the {epochs} epochs fit was given, before a stopping rule fired"
-        )
-        print(f"  stopped: {stopped}")
-        print(
-            f"  train accuracy {h['accuracy'][-1]:.4f}, held-out accuracy "
-            f"{h['val_accuracy'][-1]:.4f}"
-        )
-        print(
-            f"  the coordinator received {np.median(h['coordinator_bytes']):.0f} bytes per "
-            f"iteration (the parameters are {sum(v.size for v in model.get_weights()) * 4} bytes)"
-        )
-        if reference.fun is not None:
-            print(
-                f"SciPy L-BFGS-B (float64):            loss {reference.fun:.8f} after "
-                f"{reference.nit} iterations, {reference.nfev} evaluations, "
-                f"{scipy_seconds:.2f} s"
-            )
-            print(
-                f"  relative difference {abs(result.fun - reference.fun) / reference.fun:.1e}, "
-                f"iterations {result.nit} vs {reference.nit}"
-            )
-
-        # The same objective outside Keras, with one worker slowed down 4x.
-        with strategy.scope():
-            w = tf.Variable(tf.zeros([64, 10]))
-            b = tf.Variable(tf.zeros([10]))
+        model, history, seconds = fit_lbfgs(strategy, x, y, x_test, y_test, epochs)
+        figures = {"quick": args.quick}
+        figures.update(report_fit(model, history, seconds, epochs, reference, scipy_seconds))
         iterations = 10 if args.quick else 50
-        plain = tfdist_ext.sandblaster.minimize(
-            loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=iterations
-        )
-        w.assign(tf.zeros([64, 10]))
-        b.assign(tf.zeros([10]))
-        start = len(strategy.passes)
-        with cluster.throttle("worker", 1, slowdown=4):
-            slowed = tfdist_ext.sandblaster.minimize(
-                loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=iterations
-            )
-        passes = strategy.passes[start:]
-        backups, dropped = sum(p.backups for p in passes), sum(p.wasted for p in passes)
-        print(
-            f"minimize, worker 1 slowed 4x: loss {slowed.fun:.8f} "
-            f"(unslowed {plain.fun:.8f}); {backups} backup copies, "
-            f"{dropped} copies finished second and were dropped"
-        )
-
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "sandblaster_digits.keras")
-            model.save(path)
-            reloaded = keras.models.load_model(path)
-        reloaded_accuracy = reloaded.evaluate(x_test, y_test, verbose=0)[1]
-        print(f"Saved and reloaded outside the cluster: held-out accuracy {reloaded_accuracy:.4f}")
-    print("\n" + verdict(result, reference))
+        figures.update(minimize_with_straggler(cluster, strategy, x, y, iterations))
+        figures.update(save_and_reload(model, x_test, y_test))
+    print("\n" + verdict(model.optimizer.result, reference))
     if args.result:
-        write_result(
-            args.result,
-            {
-                "quick": args.quick,
-                "loss": result.fun,
-                "iterations": result.nit,
-                "passes": result.nfev,
-                "train_accuracy": h["accuracy"][-1],
-                "held_out_accuracy": h["val_accuracy"][-1],
-                "coordinator_bytes_per_iteration": np.median(h["coordinator_bytes"]),
-                "parameter_bytes": sum(v.size for v in model.get_weights()) * 4,
-                "scipy_loss": reference.fun,  # None in a quick run
-                "scipy_iterations": None if reference.fun is None else reference.nit,
-                "matches_scipy": matches_scipy(result, reference),
-                "minimize_slowed_loss": slowed.fun,
-                "minimize_unslowed_loss": plain.fun,
-                "backup_copies": backups,
-                "dropped_copies": dropped,
-                "reloaded_accuracy": reloaded_accuracy,
-            },
-        )
+        write_result(args.result, figures)
 
 
 if __name__ == "__main__":

@@ -72,18 +72,9 @@ def write_result(path, figures):
         json.dump(figures, f, indent=2, default=lambda value: value.item())
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--result",
-        metavar="PATH",
-        help="write this run's figures as JSON to PATH (the tests read it)",
-    )
-    args = parser.parse_args(argv)
-    x_train, y_train = datasets.digits("train", flatten=True, as_numpy=True)
-    x_test, y_test = datasets.digits("test", flatten=True, as_numpy=True)
-
-    # 1. Build and compile under the strategy's scope; train as usual.
+def train(data):
+    """1. Build and compile under the strategy's scope; train as usual."""
+    x_train, y_train, x_test, y_test = data
     print("== 1. ModelParallelStrategy: balanced plan, 4 micro-batches ==")
     strategy = ModelParallelStrategy(DEVICES, partition="balanced", microbatches=4)
     keras.utils.set_random_seed(SEED)
@@ -96,50 +87,55 @@ def main(argv=None):
     # The plan: contiguous stages balancing parameter bytes, then the cut
     # with the fewest activation bytes.
     print(strategy.plan)
+    figures = {"test_accuracy": acc, "test_loss": loss, "plan": strategy.plan.to_dict()}
+    return strategy, model, figures
 
-    # 2. Variables live on their stage's device; so do the ops of the step.
+
+def placement(strategy, model):
+    """2. Variables live on their stage's device; so do the ops of the step."""
     print("\n== 2. placement ==")
-    placement = placement_report(model)
-    for path, device in placement.items():
+    report = placement_report(model)
+    for path, device in report.items():
         print(f"  {path:28s} {short(device)}")
     step = tf.function(lambda x, y: strategy.run(model.train_step, args=((x, y),)))
     graph = step.get_concrete_function(
         tf.TensorSpec((None, 64)), tf.TensorSpec((None,), tf.int32)
     ).graph
-    per_device = {}  # {(device, op type): count}
+    counted = ("MatMul", "BiasAddGrad", "ReluGrad", "AssignSubVariableOp", "AssignAddVariableOp")
+    ops = {}  # {device: {op type: count}}
     for op in graph.get_operations():
-        if op.type in (
-            "MatMul",
-            "BiasAddGrad",
-            "ReluGrad",
-            "AssignSubVariableOp",
-            "AssignAddVariableOp",
-        ):
-            key = (short(op.device), op.type)
-            per_device[key] = per_device.get(key, 0) + 1
-    for (device, op_type), n in sorted(per_device.items()):
-        print(f"  {device}: {n:3d} x {op_type}")
+        if op.type in counted:
+            per_type = ops.setdefault(short(op.device), {})
+            per_type[op.type] = per_type.get(op.type, 0) + 1
+    for device, per_type in sorted(ops.items()):
+        for op_type, n in sorted(per_type.items()):
+            print(f"  {device}: {n:3d} x {op_type}")
+    placed = {path: short(device) for path, device in report.items()}
+    return {"placement": placed, "ops_per_device": ops}
 
-    # 3. Micro-batch pipelining changes the schedule, not the math.
+
+def copy_without_dropout(model):
+    """A copy of ``model`` on one device, its dropout off (it would make two runs differ)."""
+    copy = keras.models.clone_model(model)
+    copy.set_weights(model.get_weights())
+    for layer in copy.layers:
+        if isinstance(layer, keras.layers.Dropout):
+            layer.rate = 0.0
+    copy.compile(optimizer="sgd", loss=LOSS)
+    return copy
+
+
+def pipelined_gradients(model, data):
+    """3. Micro-batch pipelining changes the schedule, not the math."""
     print("\n== 3. pipelined gradients vs one device ==")
-
-    def copy_without_dropout():  # dropout would make the two runs differ
-        copy = keras.models.clone_model(model)
-        copy.set_weights(model.get_weights())
-        for layer in copy.layers:
-            if isinstance(layer, keras.layers.Dropout):
-                layer.rate = 0.0
-        copy.compile(optimizer="sgd", loss=LOSS)
-        return copy
-
-    x, y = x_test[:96], y_test[:96]
-    reference = copy_without_dropout()  # stays on one device
+    x, y = data[2][:96], data[3][:96]
+    reference = copy_without_dropout(model)  # stays on one device
     with tf.GradientTape() as tape:
         ref_loss = reference.compute_loss(
             x=x, y=y, y_pred=reference(x, training=True), training=True
         )
     ref_grads = tape.gradient(ref_loss, reference.trainable_variables)
-    partitioned = copy_without_dropout()
+    partitioned = copy_without_dropout(model)
     check = ModelParallelStrategy(DEVICES, microbatches=4)
     check.place(partitioned)
     loss4, _, grads4 = tf.function(
@@ -153,9 +149,17 @@ def main(argv=None):
         f"loss {float(loss4):.6f} vs {float(ref_loss):.6f}; "
         f"largest gradient difference / largest gradient = {worst:.1e}"
     )
+    return {
+        "pipelined_loss": float(loss4),
+        "one_device_loss": float(ref_loss),
+        "gradient_difference": worst,  # largest difference / largest gradient
+        "gradients_equal": worst < 1e-5,
+    }
 
-    # 4a. An explicit partition: {layer name: device}; parameter-free layers
-    # may be left out (they follow the previous layer).
+
+def explicit_partition(model):
+    """4a. An explicit partition: {layer name: device}; parameter-free layers
+    may be left out (they follow the previous layer)."""
     print("\n== 4. explicit partition; a layer too big for one device ==")
     names = [layer.name for layer in model.layers]
     explicit = {
@@ -164,20 +168,25 @@ def main(argv=None):
         names[3]: DEVICES[1],
         names[4]: DEVICES[1],
     }
-    explicit_plan = plan_partition(model, DEVICES, explicit)
-    print(explicit_plan)
+    plan = plan_partition(model, DEVICES, explicit)
+    print(plan)
+    return {"explicit_plan": plan.to_dict()}
 
-    # 4b. A 4096-unit layer (1.06 MB) is over an 800 kB per-device budget. With
-    # splitting off that is an error at plan time, naming the layer ...
-    def wide_model():
-        return keras.Sequential(
-            [
-                keras.Input((64,)),
-                keras.layers.Dense(4096, activation="relu", name="wide"),
-                keras.layers.Dense(10),
-            ]
-        )
 
+def wide_model():
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(4096, activation="relu", name="wide"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def too_wide_layer(data):
+    """4b. A 4096-unit layer (1.06 MB) over an 800 kB per-device budget."""
+    x_train, y_train, x_test, y_test = data
+    # With splitting off that is an error at plan time, naming the layer ...
     refusal = None
     try:
         plan_partition(wide_model(), DEVICES, device_budget_bytes=800_000, split_large_layers=False)
@@ -193,18 +202,26 @@ def main(argv=None):
         wide.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     wide.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
     print(budgeted.plan)
-    wide_accuracy = wide.evaluate(x_test, y_test, verbose=0)[1]
-    print(
-        f"'wide' is now a {type(wide.get_layer('wide')).__name__}; test accuracy "
-        f"{wide_accuracy:.3f}"
-    )
+    accuracy = wide.evaluate(x_test, y_test, verbose=0)[1]
+    layer = type(wide.get_layer("wide")).__name__
+    print(f"'wide' is now a {layer}; test accuracy {accuracy:.3f}")
     # (In a functional model, write the layer as ColumnParallelDense(4096,
     # num_shards=2) yourself: automatic splitting needs a Sequential model.)
+    return {
+        "refusal": refusal,  # the ValueError's message, None if none was raised
+        "wide_plan": budgeted.plan.to_dict(),
+        "wide_layer": layer,
+        "wide_test_accuracy": accuracy,
+    }
 
-    # 4c. A model larger than one device whose layers each fit: under a budget
-    # each variable is created on its stage's device while the model is built
-    # (the devices fill in order), so the model never has to fit on one
-    # device; the plan keeps the layers where they were created.
+
+def larger_than_one_device(data):
+    """4c. A model larger than one device whose layers each fit.
+
+    Under a budget each variable is created on its stage's device while the
+    model is built (the devices fill in order), so the model never has to fit
+    on one device; the plan keeps the layers where they were created.
+    """
     deep = ModelParallelStrategy(DEVICES, device_budget_bytes=300_000)
     keras.utils.set_random_seed(SEED)
     with deep.scope():
@@ -222,10 +239,17 @@ def main(argv=None):
         "created on: " + ", ".join(f"{name} {device}" for name, device in created_on.items())
     )
     large.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
-    large.fit(x_train, y_train, batch_size=64, epochs=2, verbose=0)
+    large.fit(data[0], data[1], batch_size=64, epochs=2, verbose=0)
     print(deep.plan)
+    return {
+        "large_parameter_bytes": 4 * large.count_params(),
+        "large_created_on": created_on,
+        "large_plan": deep.plan.to_dict(),
+    }
 
-    # 5. Save and load as usual; loading under a strategy places the model again.
+
+def save_and_load(strategy, model, x_test):
+    """5. Save and load as usual; loading under a strategy places the model again."""
     print("\n== 5. save / load ==")
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "partitioned.keras")
@@ -236,9 +260,13 @@ def main(argv=None):
         loaded.predict(x_test, verbose=0), model.predict(x_test, verbose=0), atol=1e-5
     )
     print(f"reloaded predictions identical: {same}")
+    return {"reloaded_predictions_identical": same}
 
-    # 6. The engine alone: plan and place a model built anywhere (this is how a
-    # data-parallel strategy can spread each of its replicas over devices).
+
+def engine_alone(data):
+    """6. The engine alone: plan and place a model built anywhere (this is how
+    a data-parallel strategy can spread each of its replicas over devices)."""
+    x_train, y_train, x_test, y_test = data
     print("\n== 6. plan_partition + apply_plan on a plain Keras model ==")
     keras.utils.set_random_seed(SEED)
     plain = mlp()
@@ -247,46 +275,41 @@ def main(argv=None):
     plain.compile(optimizer="adam", loss=LOSS, metrics=["accuracy"])
     plain.fit(x_train, y_train, batch_size=64, epochs=3, verbose=0)
     print(plan)
-    plain_accuracy = plain.evaluate(x_test, y_test, verbose=0)[1]
-    print(f"test accuracy {plain_accuracy:.3f}")
+    accuracy = plain.evaluate(x_test, y_test, verbose=0)[1]
+    print(f"test accuracy {accuracy:.3f}")
+    return {"engine_plan": plan.to_dict(), "engine_test_accuracy": accuracy}
 
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--result",
+        metavar="PATH",
+        help="write this run's figures as JSON to PATH (the tests read it)",
+    )
+    args = parser.parse_args(argv)
+    data = (
+        *datasets.digits("train", flatten=True, as_numpy=True),
+        *datasets.digits("test", flatten=True, as_numpy=True),
+    )
+    strategy, model, figures = train(data)
+    figures.update(placement(strategy, model))
+    figures.update(pipelined_gradients(model, data))
+    figures.update(explicit_partition(model))
+    figures.update(too_wide_layer(data))
+    figures.update(larger_than_one_device(data))
+    figures.update(save_and_load(strategy, model, data[2]))
+    figures.update(engine_alone(data))
     # The README's claims: gradients equal (checked here), speed (the benchmark).
-    equal = worst < 1e-5
+    equal = "yes" if figures["gradients_equal"] else "no"
     print(
-        f"\nVERDICT: pipelined gradients equal one device's: {'yes' if equal else 'no'} "
-        f"(largest difference / largest gradient {worst:.1e}, seed {SEED}); the README's "
-        "pipelining speed-up (1.45x, batch 2048, 4 micro-batches) needs the long run: "
-        "python -m benchmarks.run model_parallel"
+        f"\nVERDICT: pipelined gradients equal one device's: {equal} "
+        f"(largest difference / largest gradient {figures['gradient_difference']:.1e}, "
+        f"seed {SEED}); the README's pipelining speed-up (1.45x, batch 2048, 4 "
+        "micro-batches) needs the long run: python -m benchmarks.run model_parallel"
     )
     if args.result:
-        ops = {}  # {device: {op type: count}}
-        for (device, op_type), n in per_device.items():
-            ops.setdefault(device, {})[op_type] = n
-        write_result(
-            args.result,
-            {
-                "test_accuracy": acc,
-                "test_loss": loss,
-                "plan": strategy.plan.to_dict(),
-                "placement": {path: short(device) for path, device in placement.items()},
-                "ops_per_device": ops,
-                "pipelined_loss": float(loss4),
-                "one_device_loss": float(ref_loss),
-                "gradient_difference": worst,  # largest difference / largest gradient
-                "gradients_equal": equal,
-                "explicit_plan": explicit_plan.to_dict(),
-                "refusal": refusal,  # the ValueError's message, None if none was raised
-                "wide_plan": budgeted.plan.to_dict(),
-                "wide_layer": type(wide.get_layer("wide")).__name__,
-                "wide_test_accuracy": wide_accuracy,
-                "large_parameter_bytes": 4 * large.count_params(),
-                "large_created_on": created_on,
-                "large_plan": deep.plan.to_dict(),
-                "reloaded_predictions_identical": same,
-                "engine_plan": plan.to_dict(),
-                "engine_test_accuracy": plain_accuracy,
-            },
-        )
+        write_result(args.result, figures)
 
 
 if __name__ == "__main__":

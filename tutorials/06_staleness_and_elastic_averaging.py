@@ -141,24 +141,15 @@ def write_result(path, figures):
         json.dump(figures, f, indent=2, default=lambda value: value.item())
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--result",
-        metavar="PATH",
-        help="write this run's figures as JSON to PATH (the tests read it)",
-    )
-    args = parser.parse_args(argv)
-    epochs, steps = (2, 60) if args.quick else (5, 100)
-
+def train_all(epochs, steps, seed):
+    """Trains every system; ``{name: (accuracy, staleness, steps per worker)}``
+    and the held-out accuracy of EASGD's centre saved and reloaded."""
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         saved = os.path.join(tmp, "easgd_digits.keras")
         for name, make in systems():
             keep = saved if name.startswith("EASGD") else None
-            results[name] = train(make, epochs, steps, args.seed, keep)
+            results[name] = train(make, epochs, steps, seed, keep)
             accuracy, staleness, per_worker = results[name]
             print(
                 f"{name:<22} held-out accuracy {accuracy:.4f}   staleness mean "
@@ -172,49 +163,71 @@ def main(argv=None):
             np.mean(np.argmax(reloaded.predict(test[0], verbose=0), 1) == test[1])
         )
     print(f"EASGD centre saved and reloaded without a cluster: accuracy {reloaded_accuracy:.4f}")
-    print(f"\nStaleness of plain Downpour's pushes (worker 1 slowed {SLOWDOWN}x):")
-    print(histogram(results["Downpour"][1]))
+    return results, reloaded_accuracy
 
-    plain = results["Downpour"][0]
+
+def comparison(results):
+    """The best correction against plain Downpour, as figures."""
+    plain, staleness, _ = results["Downpour"]
     best_name, (best, _, _) = max(
         ((n, r) for n, r in results.items() if n != "Downpour"), key=lambda item: item[1][0]
     )
-    mean_staleness = np.mean(results["Downpour"][1]) if results["Downpour"][1] else 0.0
+    return {
+        "best_correction": best_name,
+        "best_accuracy": best,
+        "downpour_accuracy": plain,
+        "points_over_downpour": 100 * (best - plain),
+        "downpour_mean_staleness": np.mean(staleness) if staleness else 0.0,
+        "downpour_staleness_histogram": np.bincount(np.asarray(staleness, dtype=int)).tolist(),
+    }
+
+
+def per_run(results):
+    return {
+        name: {
+            "accuracy": accuracy,
+            "pushes": len(staleness),
+            "staleness_mean": np.mean(staleness) if staleness else 0.0,
+            "staleness_max": max(staleness) if staleness else 0,
+            "steps_per_worker": per_worker,
+        }
+        for name, (accuracy, staleness, per_worker) in results.items()
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--result",
+        metavar="PATH",
+        help="write this run's figures as JSON to PATH (the tests read it)",
+    )
+    args = parser.parse_args(argv)
+    epochs, steps = (2, 60) if args.quick else (5, 100)
+
+    results, reloaded_accuracy = train_all(epochs, steps, args.seed)
+    print(f"\nStaleness of plain Downpour's pushes (worker 1 slowed {SLOWDOWN}x):")
+    print(histogram(results["Downpour"][1]))
+    c = comparison(results)
     print(
-        f"\nVERDICT: best correction here {best_name} at {best:.3f} against plain Downpour "
-        f"{plain:.3f} ({100 * (best - plain):+.1f} points; plain Downpour's mean staleness "
-        f"{mean_staleness:.1f}; {'quick' if args.quick else 'full'} run, seed {args.seed}); "
-        "one run on a small model, not a measurement: the comparison with synchronous "
-        "all-reduce is python -m benchmarks.run async_corrections"
+        f"\nVERDICT: best correction here {c['best_correction']} at {c['best_accuracy']:.3f} "
+        f"against plain Downpour {c['downpour_accuracy']:.3f} "
+        f"({c['points_over_downpour']:+.1f} points; plain Downpour's mean staleness "
+        f"{c['downpour_mean_staleness']:.1f}; {'quick' if args.quick else 'full'} run, "
+        f"seed {args.seed}); one run on a small model, not a measurement: the comparison "
+        "with synchronous all-reduce is python -m benchmarks.run async_corrections"
     )
     if args.result:
-        write_result(
-            args.result,
-            {
-                "quick": args.quick,
-                "seed": args.seed,
-                "steps_per_run": epochs * steps,  # throttled steps of each run
-                "runs": {
-                    name: {
-                        "accuracy": accuracy,
-                        "pushes": len(staleness),
-                        "staleness_mean": np.mean(staleness) if staleness else 0.0,
-                        "staleness_max": max(staleness) if staleness else 0,
-                        "steps_per_worker": per_worker,
-                    }
-                    for name, (accuracy, staleness, per_worker) in results.items()
-                },
-                "easgd_reloaded_accuracy": reloaded_accuracy,
-                "downpour_staleness_histogram": np.bincount(
-                    np.asarray(results["Downpour"][1], dtype=int)
-                ).tolist(),
-                "best_correction": best_name,
-                "best_accuracy": best,
-                "downpour_accuracy": plain,
-                "points_over_downpour": 100 * (best - plain),
-                "downpour_mean_staleness": mean_staleness,
-            },
-        )
+        figures = {
+            "quick": args.quick,
+            "seed": args.seed,
+            "steps_per_run": epochs * steps,  # throttled steps of each run
+            "runs": per_run(results),
+            "easgd_reloaded_accuracy": reloaded_accuracy,
+        }
+        write_result(args.result, {**figures, **c})
 
 
 if __name__ == "__main__":
