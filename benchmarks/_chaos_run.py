@@ -39,8 +39,7 @@ def strategy_for(cfg):
         return tfdist_ext.MultiWorkerMirroredStrategy(resolver)
     if cfg["system"] == "easgd":
         return tfdist_ext.ElasticAveragingStrategy(resolver, deadline=cfg["deadline"])
-    # The fetch its recorded soak ran with; fault handling does not depend on it.
-    return tfdist_ext.DownpourStrategy(resolver, deadline=cfg["deadline"], background_fetch=True)
+    return tfdist_ext.DownpourStrategy(resolver, deadline=cfg["deadline"])
 
 
 def training_data(cfg, strategy, x, y):

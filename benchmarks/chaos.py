@@ -6,9 +6,9 @@ Each system trains the ``peers`` benchmark's digits MLP under Adagrad
 undisturbed, then under a seeded schedule of faults laid over the
 undisturbed run's duration.
 
-* ``downpour`` and ``easgd`` (``DownpourStrategy`` with
-  ``background_fetch=True``, ``ElasticAveragingStrategy``): 2 workers and
-  1 ps of a ``LocalCluster``, the chief a process of its own.
+* ``downpour`` and ``easgd`` (``DownpourStrategy``,
+  ``ElasticAveragingStrategy``): 2 workers and 1 ps of a ``LocalCluster``,
+  the chief a process of its own.
   Every 20-40 s a random worker is killed (SIGKILL) and restarted; once, a
   worker is stopped (SIGSTOP) for longer than the strategy's ``deadline``
   and continued; once, the ps is killed. The chief's ``fit`` then raises
