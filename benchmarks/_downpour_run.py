@@ -242,13 +242,14 @@ def _round_parts(strategy, model):
         sum(_round.nbytes(v) for v in trainable),
         _round.LossScale(),
         _staleness.server_side(strategy, trainable, None),
+        strategy._runtime.server_version(),
     )
     zero = tf.constant(0, tf.int64)
 
     @tf.function
     def push_zero():
         grads = [tf.zeros(v.shape, v.dtype) for v in trainable]
-        accepted, _, _ = push(grads, [], zero, tf.constant(1, tf.int64), (0, zero, zero))
+        accepted, _, _, _ = push(grads, [], tf.constant(1, tf.int64), (0, zero, zero))
         return accepted
 
     return empty, fetch, push_zero
@@ -289,11 +290,11 @@ def profile(cfg):
     model.fit(train, epochs=1, steps_per_epoch=2 * steps, verbose=0)  # traces the round
     empty, fetch, push_zero = _round_parts(strategy, model)
 
-    def timed(fn, args=()):
+    def timed(fn, args=(), kwargs=None):
         out = []
         for _ in range(repeats):
             start = time.perf_counter()
-            strategy.coordinator.schedule(fn, args=args).fetch()
+            strategy.coordinator.schedule(fn, args=args, kwargs=kwargs).fetch()
             out.append(time.perf_counter() - start)
         return float(np.median(out)) * 1e3
 
@@ -304,7 +305,8 @@ def profile(cfg):
     round_fn = runtime.round_for(model)
     batches = _round.round_input(list(train.take(steps)))
     args = (batches, runtime.worker_index(), tf.constant(steps, tf.int32))
-    out["cpu_share_per_task"], round_ms = _cpu_shares(tasks, lambda: timed(round_fn, args))
+    kwargs = {"prefetch": tf.constant(True)}  # as the chief schedules a round
+    out["cpu_share_per_task"], round_ms = _cpu_shares(tasks, lambda: timed(round_fn, args, kwargs))
     out[f"round_{steps}_ms_per_step"] = round_ms / steps
     start = time.perf_counter()
     model.fit(train, epochs=1, steps_per_epoch=4 * steps, verbose=0)
