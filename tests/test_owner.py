@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -58,3 +59,23 @@ def test_next_worker_removes_dirs_of_dead_owners_even_if_their_pid_is_reused(mon
         stop.set()
         thread.join()
     assert sorted(os.listdir(tmp_path)) == sorted([names["live"], names["other"]])
+
+
+def test_worker_directory_goes_when_training_ends_before_fit_returns(monkeypatch, tmp_path):
+    # TensorFlow's distributed iterator can take seconds to be deleted as
+    # fit returns; a worker stopped then must not leave its directory.
+    import keras
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    worker = SimpleNamespace(
+        extended=SimpleNamespace(should_checkpoint=False),
+        cluster_resolver=SimpleNamespace(task_id=1),
+    )
+    user = keras.callbacks.ModelCheckpoint(str(tmp_path / "model.keras"))
+    with _worker_files.chief_writes(worker, [user]) as callbacks:
+        (directory,) = os.listdir(tmp_path)
+        assert callbacks[0] is not user
+        assert callbacks[0].filepath.startswith(str(tmp_path / directory))
+        for callback in callbacks:
+            callback.on_train_end()
+        assert os.listdir(tmp_path) == []

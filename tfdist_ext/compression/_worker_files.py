@@ -6,8 +6,15 @@ directory (tf.keras 2's callbacks did this themselves; Keras 3's do not, so
 on a shared file system every worker would write the same files at once).
 :func:`chief_writes` gives ``fit`` on a worker that is not the chief copies
 of the user's ``ModelCheckpoint``, ``TensorBoard`` and ``BackupAndRestore``
-callbacks that write under one temporary directory, removed when ``fit``
-ends; the user's own callback objects are left as they are.
+callbacks that write under one temporary directory, removed when training
+ends (and, after an error, when ``fit`` returns); the user's own callback
+objects are left as they are.
+
+The directory goes at ``on_train_end``, before ``fit`` returns, because
+TensorFlow's distributed dataset iterator can take many seconds to be
+deleted as ``fit`` returns (a ``tf.data`` wait in ``MultiDeviceIterator``'s
+teardown, with plain ``tf.distribute.MirroredStrategy`` too): a worker
+stopped by its launcher in that window left the directory behind.
 
 ``BackupAndRestore`` restores on every worker from the same backup, so a
 worker's copy starts from the chief's backup files: as with tf.keras 2,
@@ -38,9 +45,20 @@ def chief_writes(strategy, callbacks):
     task = strategy.cluster_resolver.task_id
     directory = tempfile.mkdtemp(prefix=f"{_PREFIX}{_owner.token()}-{task}-")
     try:
-        yield [_redirected(callback, directory) for callback in callbacks]
+        yield [*(_redirected(c, directory) for c in callbacks), _RemoveAtTrainEnd(directory)]
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+class _RemoveAtTrainEnd(keras.callbacks.Callback):
+    """Removes a worker's temporary directory once the callbacks before it have ended."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def on_train_end(self, logs=None):
+        shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def _redirected(callback, directory):
