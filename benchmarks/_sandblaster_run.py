@@ -7,6 +7,7 @@
 via plain Keras ``fit`` until a target loss).
 """
 
+import contextlib
 import json
 import sys
 import time
@@ -125,51 +126,15 @@ def task_scipy(cfg):
 def task_straggler(cfg):
     import tensorflow as tf
 
-    import tfdist_ext
     from tfdist_ext.cluster import LocalCluster
 
-    x, y = _problem("synthetic", cfg["seed"], cfg["n"], cfg["d"])
+    problem = _problem("synthetic", cfg["seed"], cfg["n"], cfg["d"])
     loss_fn = _loss_fn(tf)
-    workers, slow = cfg["workers"], cfg["workers"] - 1
-    with LocalCluster(num_workers=workers, num_ps=cfg["ps"]) as cluster:
-        systems = {}
-        for backups in (True, False):
-            strategy = tfdist_ext.SandblasterStrategy(
-                cluster.resolver, backup_tasks=backups, slices_per_worker=cfg["slices_per_worker"]
-            )
-            with strategy.scope():
-                w = tf.Variable(tf.zeros([x.shape[1], 10]))
-                b = tf.Variable(tf.zeros([10]))
-            systems[backups] = (strategy, w, b)
+    with LocalCluster(num_workers=cfg["workers"], num_ps=cfg["ps"]) as cluster:
+        systems = {b: _straggler_system(tf, cluster, problem, cfg, b) for b in (True, False)}
 
         def timed(backups, throttled):
-            strategy, w, b = systems[backups]
-            w.assign(tf.zeros_like(w))
-            b.assign(tf.zeros_like(b))
-            start = len(strategy.passes)
-            t0 = time.perf_counter()
-            if throttled:
-                with cluster.throttle("worker", slow, slowdown=cfg["slowdown"]):
-                    r = tfdist_ext.sandblaster.minimize(
-                        loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=cfg["iterations"]
-                    )
-            else:
-                r = tfdist_ext.sandblaster.minimize(
-                    loss_fn, [w, b], (x, y), strategy=strategy, max_iterations=cfg["iterations"]
-                )
-            seconds = time.perf_counter() - t0
-            passes = strategy.passes[start:]
-            return {
-                "seconds": seconds,
-                "fun": r.fun,
-                "nfev": r.nfev,
-                "pass_seconds": float(np.median([p.seconds for p in passes])),
-                "backups": sum(p.backups for p in passes),
-                "wasted": sum(p.wasted for p in passes),
-                "slow_worker_share": float(
-                    np.mean([p.slices_per_worker[slow] / p.slices for p in passes])
-                ),
-            }
+            return _straggler_run(tf, cluster, systems[backups], loss_fn, problem, cfg, throttled)
 
         configs = {
             "no straggler": (True, False),
@@ -185,6 +150,51 @@ def task_straggler(cfg):
             for name in names[r % 3 :] + names[: r % 3]:
                 samples[name].append(timed(*configs[name]))
         print("RESULT " + json.dumps(samples), flush=True)
+
+
+def _straggler_system(tf, cluster, problem, cfg, backups):
+    """A Sandblaster strategy, with or without backup tasks, and the softmax model's variables."""
+    import tfdist_ext
+
+    strategy = tfdist_ext.SandblasterStrategy(
+        cluster.resolver, backup_tasks=backups, slices_per_worker=cfg["slices_per_worker"]
+    )
+    with strategy.scope():
+        w = tf.Variable(tf.zeros([problem[0].shape[1], 10]))
+        b = tf.Variable(tf.zeros([10]))
+    return strategy, w, b
+
+
+def _straggler_run(tf, cluster, system, loss_fn, problem, cfg, throttled):
+    """One minimisation from zeros, the last worker slowed down if ``throttled``:
+    its time, result and what its passes did."""
+    import tfdist_ext
+
+    strategy, w, b = system
+    slow = cfg["workers"] - 1
+    w.assign(tf.zeros_like(w))
+    b.assign(tf.zeros_like(b))
+    start = len(strategy.passes)
+    t0 = time.perf_counter()
+    with (
+        cluster.throttle("worker", slow, slowdown=cfg["slowdown"])
+        if throttled
+        else contextlib.nullcontext()
+    ):
+        r = tfdist_ext.sandblaster.minimize(
+            loss_fn, [w, b], problem, strategy=strategy, max_iterations=cfg["iterations"]
+        )
+    seconds = time.perf_counter() - t0
+    passes = strategy.passes[start:]
+    return {
+        "seconds": seconds,
+        "fun": r.fun,
+        "nfev": r.nfev,
+        "pass_seconds": float(np.median([p.seconds for p in passes])),
+        "backups": sum(p.backups for p in passes),
+        "wasted": sum(p.wasted for p in passes),
+        "slow_worker_share": float(np.mean([p.slices_per_worker[slow] / p.slices for p in passes])),
+    }
 
 
 def task_scaling(cfg):

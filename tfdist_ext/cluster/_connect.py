@@ -39,22 +39,12 @@ def connect(cluster_resolver, *, job_name="chief", timeout=60.0, require_jobs=()
     from tfdist_ext import _integration
 
     spec = cluster_resolver.cluster_spec().as_dict()
-    for job in require_jobs:
-        if not spec.get(job):
-            raise ValueError(
-                f"the cluster has no {job!r} job (jobs: {', '.join(sorted(spec)) or 'none'})"
-            )
+    _check_jobs(spec, require_jobs)
     for job, addresses in spec.items():
-        if job == job_name:
-            continue
-        for address in addresses:
-            ping(address, timeout=timeout)
-
-    filters = _integration.server_lib.ClusterDeviceFilters()
-    for i in range(len(spec.get("worker", ()))):
-        filters.set_device_filters("worker", i, ["/job:ps", f"/job:{job_name}"])
-    for i in range(len(spec.get("ps", ()))):
-        filters.set_device_filters("ps", i, ["/job:worker", f"/job:{job_name}"])
+        if job != job_name:
+            for address in addresses:
+                ping(address, timeout=timeout)
+    filters = _device_filters(_integration.server_lib.ClusterDeviceFilters(), spec, job_name)
     os.environ.setdefault("TF_ENABLE_EAGER_CLIENT_STREAMING_ENQUEUE", "False")
     try:
         tf.config.experimental_connect_to_cluster(
@@ -66,3 +56,21 @@ def connect(cluster_resolver, *, job_name="chief", timeout=60.0, require_jobs=()
         _integration.eager_context.ensure_initialized()
     except tf.errors.OpError as e:
         raise ClusterError(f"could not connect to the cluster: {e.message}") from None
+
+
+def _check_jobs(spec, require_jobs):
+    for job in require_jobs:
+        if not spec.get(job):
+            raise ValueError(
+                f"the cluster has no {job!r} job (jobs: {', '.join(sorted(spec)) or 'none'})"
+            )
+
+
+def _device_filters(filters, spec, job_name):
+    """``filters`` (TensorFlow's ``ClusterDeviceFilters``) set so workers see
+    only ``ps`` and the chief, and ``ps`` tasks only workers and the chief."""
+    for i in range(len(spec.get("worker", ()))):
+        filters.set_device_filters("worker", i, ["/job:ps", f"/job:{job_name}"])
+    for i in range(len(spec.get("ps", ()))):
+        filters.set_device_filters("ps", i, ["/job:worker", f"/job:{job_name}"])
+    return filters

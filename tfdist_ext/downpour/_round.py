@@ -452,15 +452,8 @@ class DownpourRound:
                 accum, carried = zeros, no_steps
             if self.background and fetch_due:
                 params, source = prefetched, prefetched_source
-        saved = self.save(worker, state)
-        if self.carry is not None:
-            # After this round's reads of the same per-worker variables: they
-            # get no automatic control dependencies, and the generation a keep
-            # writes is known from the round's start, so without this the
-            # write could come first and the round take as prefetched
-            # parameters it never fetched.
-            with tf.control_dependencies(carry_reads):
-                saved += self.keep(num_steps, prefetch, prefetched, prefetched_source[0])
+        kept = (num_steps, prefetch, prefetched, prefetched_source[0])
+        saved = self.save(worker, state) + self.keep_after(carry_reads, kept)
         steps = tf.cast(num_steps, tf.int64)
         steps = after_writes(steps, saved, self.metric_vars, metric_values, metrics_start)
         return self.counters(worker, steps, counts, fetches, started_prefetched, staleness)
@@ -473,6 +466,19 @@ class DownpourRound:
         are tied to the round's outputs (:func:`after_writes`)."""
         flat = zip(tf.nest.flatten(self.state_vars), tf.nest.flatten(state))
         return [v.assign(t) for v, t in flat] + [self.bound.stop(worker)]
+
+    @_staleness.graph_code
+    def keep_after(self, carry_reads, kept):
+        """The writes of :meth:`keep` (``kept`` its arguments), if the
+        round carries fetches, after ``carry_reads``: the round's reads of the
+        same per-worker variables. They get no automatic control dependencies,
+        and the generation a keep writes is known from the round's start, so
+        without this the write could come first and the round take as
+        prefetched parameters it never fetched."""
+        if self.carry is None:
+            return []
+        with tf.control_dependencies(carry_reads):
+            return self.keep(*kept)
 
     @_staleness.graph_code
     def keep(self, num_steps, prefetch, prefetched, version):
