@@ -452,8 +452,8 @@ class DownpourRound:
                 accum, carried = zeros, no_steps
             if self.background and fetch_due:
                 params, source = prefetched, prefetched_source
-        kept = (num_steps, prefetch, prefetched, prefetched_source[0])
-        saved = self.save(worker, state) + self.keep_after(carry_reads, kept)
+        saved = self.save(worker, state)
+        saved += self.keep(carry_reads, num_steps, prefetch, prefetched, prefetched_source[0])
         steps = tf.cast(num_steps, tf.int64)
         steps = after_writes(steps, saved, self.metric_vars, metric_values, metrics_start)
         return self.counters(worker, steps, counts, fetches, started_prefetched, staleness)
@@ -468,28 +468,23 @@ class DownpourRound:
         return [v.assign(t) for v, t in flat] + [self.bound.stop(worker)]
 
     @_staleness.graph_code
-    def keep_after(self, carry_reads, kept):
-        """The writes of :meth:`keep` (``kept`` its arguments), if the
-        round carries fetches, after ``carry_reads``: the round's reads of the
-        same per-worker variables. They get no automatic control dependencies,
-        and the generation a keep writes is known from the round's start, so
-        without this the write could come first and the round take as
-        prefetched parameters it never fetched."""
+    def keep(self, carry_reads, num_steps, prefetch, prefetched, version):
+        """Keeps the last block's fetch for the next round, when the round
+        carries fetches and its last block fetched (a round of whole fetch
+        blocks). It misses the round's last push and whatever the server
+        applies before the next round: that staleness is measured like any
+        other. The writes come after ``carry_reads``, the round's reads of the
+        same per-worker variables: they get no automatic control
+        dependencies, and the generation a keep writes is known from the
+        round's start, so without this the write could come first and the
+        round take as prefetched parameters it never fetched."""
         if self.carry is None:
             return []
         with tf.control_dependencies(carry_reads):
-            return self.keep(*kept)
-
-    @_staleness.graph_code
-    def keep(self, num_steps, prefetch, prefetched, version):
-        """Keeps the last block's fetch for the next round, when the last
-        block fetched (a round of whole fetch blocks). It misses the round's
-        last push and whatever the server applies before the next round:
-        that staleness is measured like any other."""
-        kept = tf.logical_and(num_steps > 0, num_steps % self.n_fetch == 0)
-        kept = tf.logical_and(kept, prefetch)
-        born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
-        return self.carry.keep(prefetched, version, born)
+            kept = tf.logical_and(num_steps > 0, num_steps % self.n_fetch == 0)
+            kept = tf.logical_and(kept, prefetch)
+            born = tf.where(kept, self.generation.read_value(), tf.constant(-1, tf.int64))
+            return self.carry.keep(prefetched, version, born)
 
     @_staleness.graph_code
     def counters(self, worker, steps, counts, fetches, started_prefetched, staleness):
